@@ -1,0 +1,44 @@
+"""The errors a user can cause, each with a message that says what is wrong and what to do.
+
+Every exception here derives from :class:`NbtrainError`. The CLI prints ``nbtrain: error: <message>`` and
+exits with status 2 for any of them, without a traceback; the notebook layer shows the same one line.
+
+    >>> raise UnknownModelError("gpt5", known=["gpt2", "llama-7b"])
+    Traceback (most recent call last):
+    ...
+    nbtrain.errors.UnknownModelError: unknown model 'gpt5'; known presets: gpt2, llama-7b ...
+"""
+
+from __future__ import annotations
+
+
+class NbtrainError(Exception):
+    """Base of every error nbtrain raises for input a user can fix. ``exit_code`` is what the CLI returns."""
+
+    exit_code = 2
+
+
+class InvalidArgumentError(NbtrainError, ValueError):
+    """An argument has a value nbtrain cannot use (a non-positive batch, an unknown dtype, ...)."""
+
+
+class UnknownModelError(NbtrainError, LookupError):
+    """A model name is neither a preset nor a ``module:attribute`` reference."""
+
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(
+            f"unknown model {name!r}; known presets: {', '.join(known)} "
+            "(or give a Python reference 'package.module:attribute')"
+        )
+
+
+class ModelLoadError(NbtrainError, ImportError):
+    """A ``module:attribute`` reference cannot be imported or built."""
+
+
+class NotAModuleError(NbtrainError, TypeError):
+    """An object given as a model is not a ``torch.nn.Module`` (nor a callable returning one)."""
+
+
+class ProfileError(NbtrainError, RuntimeError):
+    """The model could not be traced (its forward failed on fake tensors, or its inputs could not be guessed)."""

@@ -1,0 +1,69 @@
+"""Parse and format the quantities nbtrain shows: bytes (GiB/MiB), FLOPs, seconds, counts.
+
+    >>> format_bytes(3 * 2**30), parse_bytes("40GiB"), format_count(6.74e9), format_seconds(0.0123)
+    ('3.00 GiB', 42949672960, '6.74 B', '12.3 ms')
+"""
+
+from __future__ import annotations
+
+import re
+
+from nbtrain.errors import InvalidArgumentError
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"40GiB"`` → 42949672960. Binary units for KiB/MiB/GiB/TiB and bare K/M/G/T, decimal for KB/MB/GB/TB."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise InvalidArgumentError(f"cannot read {text!r} as a size; write it like '40GiB', '512MiB' or '80GB'")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1: ``1536 * 2**20`` → ``'1.50 GiB'``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_count(n: float) -> str:
+    """A count with a decimal suffix: ``124439808`` → ``'124.44 M'``."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def format_flops(n: float) -> str:
+    """FLOPs with a decimal suffix: ``2.5e12`` → ``'2.50 TFLOP'``."""
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def format_seconds(t: float) -> str:
+    """Seconds as s, ms or µs: ``0.0123`` → ``'12.3 ms'``."""
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t * 1e6:.1f} µs"
+
+
+def format_rate(n: float, unit: str) -> str:
+    """A rate with a decimal suffix: ``format_rate(2.5e10, "B/s")`` → ``'25.0 GB/s'``."""
+    for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {prefix}{unit}"
+    return f"{n:.1f} {unit}"
