@@ -1,0 +1,40 @@
+"""nbtrain: plan and run hybrid-parallel PyTorch training from a Jupyter cell.
+
+    >>> import nbtrain
+    >>> prof = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
+    >>> cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)
+
+The public names load lazily, so ``import nbtrain`` is quick and never needs IPython; torch loads on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "profile": "nbtrain.profiler.model",
+    "ModelProfile": "nbtrain.profiler.result",
+    "LayerProfile": "nbtrain.profiler.result",
+    "Cluster": "nbtrain.profiler.hardware",
+    "GPT": "nbtrain.models.gpt",
+    "GPTConfig": "nbtrain.models.gpt",
+    "build_preset": "nbtrain.models.presets",
+    "PRESETS": "nbtrain.models.presets",
+    "NbtrainError": "nbtrain.errors",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

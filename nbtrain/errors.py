@@ -42,3 +42,18 @@ class NotAModuleError(NbtrainError, TypeError):
 
 class ProfileError(NbtrainError, RuntimeError):
     """The model could not be traced (its forward failed on fake tensors, or its inputs could not be guessed)."""
+
+
+class UnknownDeviceError(NbtrainError, LookupError):
+    """A device name is neither in the hardware catalog nor one of its aliases."""
+
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(
+            f"unknown device {name!r}; known devices: {', '.join(known)} "
+            "(or start from the closest one and override its numbers, "
+            "e.g. Cluster.from_catalog('H100', peak_flops=756e12))"
+        )
+
+
+class CalibrationError(NbtrainError, RuntimeError):
+    """A micro-benchmark of the local machine could not run (a worker died or timed out)."""

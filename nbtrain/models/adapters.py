@@ -1,0 +1,101 @@
+"""What nbtrain needs to know about a model family: where its repeated blocks are, and what feeds it.
+
+nbtrain's own :class:`~nbtrain.models.GPT`, Hugging Face ``transformers`` GPT-2 and Llama models are known by
+name; any other model is searched for its longest list of identical blocks. ``transformers`` is never
+imported here: a Hugging Face model is recognised by its ``config.model_type``, so nbtrain works without it.
+
+    >>> from nbtrain.models import build_preset
+    >>> family = detect_family(build_preset("gpt2"))
+    >>> family.name, family.blocks_path, family.vocab_size, family.max_seq_len
+    ('nbtrain-gpt', 'blocks', 50257, 1024)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to cut and feed one kind of model."""
+
+    name: str
+    """``nbtrain-gpt``, ``hf-gpt2``, ``hf-llama`` or ``generic``."""
+    blocks_path: str | None
+    """Dotted path of the repeated blocks (a ``ModuleList``/``Sequential``); ``None`` when there are none."""
+    vocab_size: int | None = None
+    """Token ids the model takes; ``None`` for models that do not take tokens."""
+    max_seq_len: int | None = None
+    """Longest sequence the model accepts, when it has a limit."""
+    n_embd: int | None = None
+    """Width of the hidden state passed between blocks."""
+    n_head: int | None = None
+    """Attention heads per block (tensor parallelism splits them)."""
+    n_kv_head: int | None = None
+    """Key/value heads per block (grouped-query attention)."""
+    forward_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments every training forward passes (``use_cache=False`` for Hugging Face models)."""
+    note: str = ""
+    """Anything the user should know about how the model was read."""
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.get_submodule(self.blocks_path)) if self.blocks_path else []
+
+
+def _hf_family(model: nn.Module) -> ModelFamily | None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    hf_paths = {"gpt2": ("transformer.h", "h"), "llama": ("model.layers", "layers")}
+    if model_type not in hf_paths:
+        return None
+    path = next((p for p in hf_paths[model_type] if _has_submodule(model, p)), None)
+    if model_type == "gpt2":
+        return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
+                           config.n_head, forward_kwargs={"use_cache": False})
+    return ModelFamily("hf-llama", path, config.vocab_size, config.max_position_embeddings, config.hidden_size,
+                       config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
+                       forward_kwargs={"use_cache": False})
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _repeated_blocks(model: nn.Module) -> str | None:
+    """Path of the container of identical blocks holding the most parameters (at least two blocks)."""
+    best, best_params = None, -1
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        kinds = {type(child) for child in module}
+        params = sum(p.numel() for p in module.parameters())
+        if len(kinds) == 1 and params > best_params:
+            best, best_params = name, params
+    return best
+
+
+def _first(model: nn.Module, kind: type) -> nn.Module | None:
+    return next((m for m in model.modules() if isinstance(m, kind)), None)
+
+
+def detect_family(model: nn.Module) -> ModelFamily:
+    """Recognise ``model``: nbtrain's GPT, a Hugging Face GPT-2 or Llama, or a generic model."""
+    from nbtrain.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        c = model.config
+        return ModelFamily("nbtrain-gpt", "blocks", c.vocab_size, c.block_size, c.n_embd, c.n_head, c.kv_heads)
+    family = _hf_family(model)
+    if family is not None:
+        return family
+    path = _repeated_blocks(model)
+    embedding = _first(model, nn.Embedding)
+    vocab = embedding.num_embeddings if embedding is not None else None
+    note = "" if path else "no list of repeated blocks found: profiled as one layer"
+    return ModelFamily("generic", path, vocab_size=vocab, note=note)

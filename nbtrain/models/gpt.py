@@ -1,0 +1,223 @@
+"""A small, readable decoder-only transformer: GPT-2 and LLaMA shapes from one class.
+
+The model is a plain sequence ``embed → blocks[0..n) → head``, each block taking and returning the residual
+stream ``(batch, seq, n_embd)``. That is the cut every parallel axis needs: pipeline stages are contiguous
+ranges of it, activation checkpointing wraps a block, tensor parallelism splits the linear layers inside a
+block (``attn.q/k/v`` column-wise, ``attn.o`` row-wise, ``mlp.fc1``/``mlp.gate`` column-wise, ``mlp.fc2``
+row-wise), and attention reshapes with ``view(B, T, -1, head_dim)`` so a rank holding a slice of the heads
+computes just those.
+
+    >>> import torch
+    >>> from nbtrain.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
+    >>> model(torch.randint(0, 256, (2, 16))).shape
+    torch.Size([2, 16, 256])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a :class:`GPT`. The defaults are GPT-2 small (124M parameters)."""
+
+    vocab_size: int = 50257
+    """Number of token ids."""
+    block_size: int = 1024
+    """Longest sequence the model accepts (the learned position table's length; a cap for RoPE)."""
+    n_layer: int = 12
+    """Number of transformer blocks."""
+    n_head: int = 12
+    """Attention heads per block."""
+    n_embd: int = 768
+    """Width of the residual stream."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention, LLaMA-2 70B); ``None`` means ``n_head``."""
+    ffn_hidden: int | None = None
+    """Width of the MLP's hidden layer; ``None`` means ``4 * n_embd``."""
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """GPT-2 uses LayerNorm, LLaMA RMSNorm."""
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    """GPT-2: ``fc2(gelu(fc1 x))``; LLaMA: ``fc2(silu(gate x) * fc1 x)``."""
+    position: Literal["learned", "rope"] = "learned"
+    """GPT-2 adds a learned position table; LLaMA rotates queries and keys (RoPE)."""
+    bias: bool = True
+    """Whether linear layers and norms carry biases (GPT-2 yes, LLaMA no)."""
+    tie_embeddings: bool = True
+    """Whether the output head shares the token embedding's weight (GPT-2 yes, LLaMA no)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms."""
+    rope_theta: float = 10000.0
+    """Base of the RoPE frequencies."""
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_hidden or 4 * self.n_embd
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # RoPE in the "rotate half" layout LLaMA's reference code uses (Su et al. 2021, eq. 34).
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v/o projections (so tensor parallelism can split each)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, config.kv_heads * config.head_dim, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.kv_heads * config.head_dim, bias=config.bias)
+        self.o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
+        self.rope = config.position == "rope"
+        if self.rope:
+            # Each block keeps its own (tiny) frequency table so that a block runs alone: a pipeline stage or a
+            # checkpointed block needs nothing computed elsewhere.
+            inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1, not n_head: under tensor parallelism a rank holds only its slice of the heads.
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.rope:
+            angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), self.inv_freq)
+            angles = torch.cat((angles, angles), dim=-1)
+            cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves n_head / n_kv_head queries
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """GPT-2's GELU MLP or LLaMA's SwiGLU MLP."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        self.fc1 = nn.Linear(config.n_embd, config.hidden, bias=config.bias)
+        if self.swiglu:
+            self.gate = nn.Linear(config.n_embd, config.hidden, bias=config.bias)
+        self.fc2 = nn.Linear(config.hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = _norm(config)
+        self.attn = Attention(config)
+        self.ln_2 = _norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus the learned position table for GPT-2."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
+        self.block_size = config.block_size
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.block_size}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        return x
+
+
+class Head(nn.Module):
+    """Final norm and the projection to vocabulary logits."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_f = _norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    """``embed → blocks → head``; ``forward(idx)`` returns logits ``(batch, seq, vocab)``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.head = Head(config)
+        if config.tie_embeddings:
+            self.head.lm_head.weight = self.embed.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2 paper, section 2.3: scale the residual projections by 1/sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.o.weight", "mlp.fc2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def num_params(self) -> int:
+        """Parameters counted once (a tied head shares the embedding's)."""
+        return sum(p.numel() for p in self.parameters())

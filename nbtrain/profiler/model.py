@@ -1,0 +1,252 @@
+"""Profile a model without allocating it: layers, parameters, FLOPs and activation bytes per layer.
+
+    >>> import nbtrain
+    >>> prof = nbtrain.profile("llama-70b", batch_size=1, seq_len=4096)     # ~10 s, < 3 GB of memory
+    >>> print(prof)
+
+The model runs one training step (forward, loss, backward) on *fake tensors*
+(``torch._subclasses.FakeTensorMode``): every op computes shapes and dtypes but no values, and nothing is
+allocated. Fake tensors on the CPU device take the kernels a real CPU run takes (CPU flash attention, not the
+math fallback the meta device would use), so what is saved for backward is what a real run saves. The step is
+counted at the asked shape and at six small ones, and every per-layer quantity is fitted as a polynomial in batch
+and length (:class:`~nbtrain.profiler.result.Scaling`), so the planner can evaluate any micro-batch and length.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError, ProfileError
+from nbtrain.models.adapters import ModelFamily, detect_family
+from nbtrain.models.resolve import resolve_model
+from nbtrain.profiler.result import QUANTITIES, LayerProfile, ModelProfile, Scaling
+from nbtrain.profiler.segments import first_tensor
+from nbtrain.profiler.trace import Counts, Step, count, time_step
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on logits, upcast to fp32 as Hugging Face's causal-LM loss does."""
+    logits = getattr(output, "logits", None)
+    logits = first_tensor(output) if logits is None else logits
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def _default_batch(model: nn.Module, family: ModelFamily) -> tuple[Callable, Callable]:
+    """Token ids and next-token loss for language models; float features and a mean-square loss otherwise."""
+    if family.vocab_size:
+        vocab = family.vocab_size
+
+        def tokens(b, s, device):
+            return (torch.randint(0, vocab, (b, s), device=device),), torch.randint(0, vocab, (b, s), device=device)
+        return tokens, lm_loss
+    first_linear = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    if first_linear is None:
+        raise ProfileError(
+            f"cannot tell what {type(model).__name__} takes as input (no nn.Embedding, no nn.Linear); "
+            "pass inputs=lambda batch, seq, device: ((x,), targets) and loss_fn=..."
+        )
+    width = first_linear.in_features
+
+    def features(b, s, device):
+        return (torch.randn(b, s, width, device=device),), None
+    return features, lambda out, _: first_tensor(out).float().square().mean()
+
+
+def _signature(block: nn.Module) -> tuple:
+    """Blocks with equal signatures cost the same for the same input shape."""
+    tensors = [*block.named_parameters(), *block.named_buffers()]
+    return (type(block), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors))
+
+
+@contextmanager
+def _only_blocks(step: Step, keep: list[int]):
+    """Temporarily give the model just the blocks ``keep`` (one of each kind) in its block list."""
+    parent_path, _, attr = step.family.blocks_path.rpartition(".")
+    parent = step.model.get_submodule(parent_path)
+    full = getattr(parent, attr)
+    setattr(parent, attr, type(full)(full[i] for i in keep))
+    try:
+        yield Step(step.model, step.family, [step.blocks[i] for i in keep], step.inputs, step.loss_fn, step.dtype)
+    finally:
+        setattr(parent, attr, full)
+
+
+def _fit(step: Step) -> list[dict[str, Scaling]]:
+    """Count six small shapes and fit each layer's quantities as polynomials in batch and length.
+
+    Identical blocks cost the same, so the probes run the model with one block of each kind (a 70B model's
+    80 blocks become one); if the model's forward does not allow that, all blocks run.
+    """
+    s0 = max(1, min(32, (step.family.max_seq_len or 96) // 3))
+    probes = [(b, k * s0) for b in (1, 2) for k in (1, 2, 3)]
+    first_of: dict[tuple, int] = {}
+    rep = [first_of.setdefault(_signature(block), i) for i, block in enumerate(step.blocks)]
+    keep = sorted(set(rep))
+    counts: list[Counts] | None = None
+    if step.blocks and len(keep) < len(step.blocks):
+        try:
+            with _only_blocks(step, keep) as reduced:
+                counts = [count(reduced, b, s) for b, s in probes]
+            # where full layer i sits in the reduced model: embed 0, block j -> its kind's block, head last
+            where = [0] + [keep.index(r) + 1 for r in rep] + [len(keep) + 1]
+        except Exception:
+            counts = None
+    if counts is None:
+        counts = [count(step, b, s) for b, s in probes]
+        where = list(range(step.num_segments))
+    return [{q: Scaling.fit([(b, s, c.values[q][w]) for (b, s), c in zip(probes, counts)]) for q in QUANTITIES}
+            for w in where]
+
+
+def _segment_names(family: ModelFamily, num_blocks: int) -> list[tuple[str, str]]:
+    if not num_blocks:
+        return [("model", "model")]
+    blocks = [(f"{family.blocks_path}.{i}", "block") for i in range(num_blocks)]
+    return [("embed", "embedding"), *blocks, ("head", "head")]
+
+
+def _attribute_params(step: Step, module_segment: dict[nn.Module, int]):
+    """Parameters owned per segment: blocks own their subtree; any other module belongs to the segment where it
+    first ran. A parameter used by two segments (tied weights) is owned by the first and listed as tied in the
+    second. Returns ``(owned counts, tied names, parameters that never ran)``."""
+    n = step.num_segments
+    segment_of = dict(module_segment)
+    for i, block in enumerate(step.blocks):
+        segment_of.update((m, i + 1) for m in block.modules())
+    owned, tied = [0] * n, [[] for _ in range(n)]
+    owner: dict[int, int] = {}
+    unused = 0
+    users = sorted(((segment_of.get(m, n), name, m) for name, m in step.model.named_modules()), key=lambda x: x[0])
+    for segment, name, module in users:
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in owner:
+                if owner[id(p)] != segment and segment < n:
+                    tied[segment].append(f"{name}.{pname}".lstrip("."))
+            elif segment < n:
+                owner[id(p)] = segment
+                owned[segment] += p.numel()
+            else:
+                unused += p.numel()
+    return owned, tied, unused
+
+
+def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bfloat16",
+            measure: bool | str = False, inputs: Callable | None = None, loss_fn: Callable | None = None,
+            name: str | None = None) -> ModelProfile:
+    """Profile ``model`` (an ``nn.Module``, a preset name like ``"llama-7b"``, or ``"module:attr"``).
+
+    ``seq_len`` defaults to the model's context length, at most 1024. ``measure=True`` (or a device such as
+    ``"cuda"``) also times each layer for real on that device, which allocates a copy of the model there.
+    ``inputs(batch, seq, device) -> (args, targets)`` and ``loss_fn(output, targets)`` replace the token batch
+    and next-token loss used for language models.
+    """
+    started = time.perf_counter()
+    label, model = resolve_model(model, name)
+    torch_dtype = _check_dtype(dtype)
+    family = detect_family(model)
+    seq_len = _check_shape(batch_size, seq_len, family)
+    default_inputs, default_loss = _default_batch(model, family) if inputs is None else (None, lm_loss)
+    step = Step(model, family, family.blocks(model), inputs or default_inputs, loss_fn or default_loss, torch_dtype)
+
+    was_training = model.training
+    model.train()  # profile training: dropout masks and the like are saved as in a real step
+    try:
+        asked = _count_or_explain(step, batch_size, seq_len)
+        fits = _fit(step)
+        device = _measure_device(measure)
+        times = time_step(_materialized(step, device), batch_size, seq_len, device) if device else None
+    finally:
+        model.train(was_training)
+
+    owned, tied, unused = _attribute_params(step, asked.module_segment)
+    notes = [family.note] if family.note else []
+    if unused:
+        notes.append(f"{unused:,} parameters did not take part in the step and are in no layer")
+    layers = []
+    for i, (layer_name, kind) in enumerate(_segment_names(family, len(step.blocks))):
+        exact = {q: asked.values[q][i] for q in QUANTITIES}
+        if any(fits[i][q](batch_size, seq_len) != exact[q] for q in QUANTITIES):
+            notes.append(f"{layer_name}: a cost does not follow a polynomial in batch and length; "
+                         "other shapes are estimates")
+        measured = {k: times[k][i] for k in ("time_fwd_s", "time_bwd_s")} if times else {}
+        layers.append(LayerProfile(layer_name, kind, owned[i], owned[i] * torch_dtype.itemsize, **exact,
+                                   scaling=fits[i], tied=tuple(tied[i]), **measured))
+    arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
+    return ModelProfile(
+        model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
+        dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),
+        params=sum(p.numel() for p in model.parameters()), arch=arch, notes=tuple(dict.fromkeys(notes)),
+        measured_on=str(device) if device else None, profile_seconds=time.perf_counter() - started,
+    )
+
+
+def _count_or_explain(step: Step, b: int, s: int) -> Counts:
+    try:
+        return count(step, b, s)
+    except Exception as exc:  # the user's forward failed on fake tensors: say so in one line
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise ProfileError(
+            f"tracing {type(step.model).__name__} at batch {b}, length {s} failed: {type(exc).__name__}: "
+            f"{first_line} (if the model takes other inputs than token ids, pass inputs=... and loss_fn=...)"
+        ) from exc
+
+
+def _measure_device(measure: bool | str) -> torch.device | None:
+    if measure is False or measure is None:
+        return None
+    if measure is True:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(measure)
+
+
+def _materialized(step: Step, device: torch.device) -> Step:
+    """The step on a real copy of the model on ``device`` in the profile's dtype, unless the model already is.
+
+    Weights of a model on the meta device get small random values: timing does not depend on them.
+    """
+    first = next(step.model.parameters(), None)
+    if first is not None and first.device == device and first.dtype == step.dtype:
+        return step
+    real = copy.deepcopy(step.model)
+    if first is not None and first.is_meta:
+        real = real.to_empty(device=device)
+        with torch.no_grad():
+            for t in [*real.parameters(), *real.buffers()]:
+                if t.is_floating_point():
+                    t.normal_(0.0, 0.02)
+    real = real.to(device=device, dtype=step.dtype)
+    family = detect_family(real)
+    return Step(real, family, family.blocks(real), step.inputs, step.loss_fn, step.dtype)
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32") from None
+
+
+def _check_shape(batch_size: int, seq_len: int | None, family: ModelFamily) -> int:
+    if seq_len is None:
+        seq_len = min(family.max_seq_len or 1024, 1024)
+    for label, value in (("batch size", batch_size), ("sequence length", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidArgumentError(f"{label} must be a positive integer, got {value!r}")
+    if family.max_seq_len and seq_len > family.max_seq_len:
+        raise InvalidArgumentError(
+            f"sequence length {seq_len} exceeds the model's context length {family.max_seq_len}; "
+            f"use a length of {family.max_seq_len} or less"
+        )
+    return seq_len

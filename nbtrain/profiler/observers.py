@@ -1,0 +1,105 @@
+"""What the profiler measures per segment: FLOPs, bytes saved for backward, and wall-clock seconds.
+
+Each observer receives :meth:`switch` calls from a :class:`~nbtrain.profiler.segments.SegmentTracker` and charges
+what happened since the previous switch to the segment and phase that were running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+aten = torch.ops.aten
+
+
+def _cpu_flash_fwd(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# torch's flop counter knows the CUDA attention kernels but not the CPU flash kernel that
+# scaled_dot_product_attention picks on CPU; count it like the others (2 matmuls forward, 4 backward;
+# causal masking is not subtracted, as in the 12·L·H·Q·T term of Chowdhery et al. 2022, appendix B).
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd,
+}
+
+
+class _Charger:
+    """Base: remembers which (segment, phase) is running and charges a running total to it on each switch."""
+
+    def __init__(self):
+        self.fwd: dict[int, float] = defaultdict(float)
+        self.bwd: dict[int, float] = defaultdict(float)
+        self.segment, self.phase = None, None
+        self._last = 0.0
+
+    def reading(self) -> float:
+        raise NotImplementedError
+
+    def switch(self, segment: int, phase: str) -> None:
+        now = self.reading()
+        if self.segment is not None and self.segment >= 0:
+            (self.fwd if self.phase == "fwd" else self.bwd)[self.segment] += now - self._last
+        self._last = now
+        self.segment, self.phase = segment, phase
+
+
+class FlopObserver(_Charger):
+    """FLOPs per segment from ``torch.utils.flop_counter.FlopCounterMode`` (enter it around the traced step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+
+    def reading(self) -> float:
+        return float(self.counter.get_total_flops())
+
+
+class Timer(_Charger):
+    """Seconds per segment; on CUDA it synchronises at each switch so a segment's kernels are charged to it."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def reading(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+
+class SavedBytes:
+    """Bytes saved for backward per forward segment, via ``torch.autograd.graph.saved_tensors_hooks``.
+
+    A storage saved by several ops (or as several views) is counted once, in the segment that saved it first;
+    parameters are not activations and are skipped.
+    """
+
+    def __init__(self, parameters):
+        self.per_segment: dict[int, int] = defaultdict(int)
+        self.segment = 0
+        self._seen = {self._key(p) for p in parameters}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def switch(self, segment: int, phase: str) -> None:
+        self.segment = segment
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = self._key(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.per_segment[self.segment] += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)

@@ -1,0 +1,124 @@
+"""Run one training step of a model and read per-layer numbers off it: counted on fake tensors, or timed for real.
+
+:func:`count` runs the step under ``FakeTensorMode`` (shapes and dtypes only, nothing allocated) with a FLOP counter
+and a saved-tensor hook; :func:`time_step` runs it for real on a device with only a clock. Both cut the step into
+segments with a :class:`~nbtrain.profiler.segments.SegmentTracker`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+from nbtrain.models.adapters import ModelFamily
+from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
+from nbtrain.profiler.segments import SegmentTracker, first_tensor
+
+
+@dataclass
+class Step:
+    """Everything needed to run one training step of ``model``."""
+
+    model: nn.Module
+    family: ModelFamily
+    blocks: list[nn.Module]
+    inputs: Callable
+    """``inputs(batch, seq, device) -> (args, targets)``."""
+    loss_fn: Callable
+    """``loss_fn(output, targets) -> scalar``."""
+    dtype: torch.dtype
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.blocks) + 2 if self.blocks else 1
+
+
+@dataclass
+class Counts:
+    """Per-segment numbers of one fake step, keyed by quantity then segment index."""
+
+    values: dict[str, dict[int, int]]
+    module_segment: dict[nn.Module, int]
+    """The segment in which each module first ran (to attribute parameters outside the blocks)."""
+
+
+def _run(step: Step, observers, b: int, s: int, device, params: dict | None):
+    args, targets = step.inputs(b, s, device)
+    tracker = SegmentTracker(step.blocks, observers)
+    with tracker:
+        if params is None:
+            out = step.model(*args, **step.family.forward_kwargs)
+        else:
+            out = functional_call(step.model, params, args, step.family.forward_kwargs, strict=False)
+        loss = step.loss_fn(out, targets)
+        tracker.start_backward()
+        loss.backward()
+    return tracker, out
+
+
+def count(step: Step, b: int, s: int) -> Counts:
+    """FLOPs, saved bytes and output bytes per segment at batch ``b``, length ``s``, without allocating."""
+    module_segment: dict[nn.Module, int] = {}
+    current = {"segment": 0}
+
+    class SegmentOfModule:
+        def switch(self, segment, phase):
+            current["segment"] = segment
+
+    def note_module(module, args):
+        module_segment.setdefault(module, current["segment"])
+
+    with ExitStack() as stack:
+        stack.enter_context(FakeTensorMode())
+        params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
+                                 requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
+        buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
+        flops, saved = FlopObserver(), SavedBytes(params.values())
+        stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(note_module))
+        stack.enter_context(flops.counter)
+        stack.enter_context(saved.hooks())
+        tracker, out = _run(step, [flops, saved, SegmentOfModule()], b, s, "cpu", {**params, **buffers})
+    n = step.num_segments
+    values = {
+        "flops_fwd": {i: int(flops.fwd[i]) for i in range(n)},
+        "flops_bwd": {i: int(flops.bwd[i]) for i in range(n)},
+        "activation_bytes": {i: saved.per_segment[i] for i in range(n)},
+        "output_bytes": _output_bytes(tracker, out, n),
+    }
+    return Counts(values, module_segment)
+
+
+def _output_bytes(tracker: SegmentTracker, out, n: int) -> dict[int, int]:
+    """Embeddings hand block 0 its input; block i hands on its output; the last segment returns the output."""
+    final = first_tensor(out)
+    sizes = {n - 1: final.nbytes if final is not None else 0}
+    if n > 1:
+        sizes[0] = tracker.block_input_bytes.get(0, 0)
+        sizes.update({i + 1: nbytes for i, nbytes in tracker.block_output_bytes.items()})
+    return sizes
+
+
+def time_step(step: Step, b: int, s: int, device: torch.device, repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds per segment of a real step on ``device``: one warm-up, then the median of ``repeats``.
+
+    The step runs with no counting mode or hook but the tracker's, so that only the model is timed.
+    """
+    runs = []
+    for i in range(repeats + 1):
+        timer = Timer(device)
+        _run(step, [timer], b, s, device, params=None)
+        step.model.zero_grad(set_to_none=True)
+        if i:
+            runs.append(timer)
+    n = step.num_segments
+    return {
+        "time_fwd_s": {i: statistics.median(t.fwd[i] for t in runs) for i in range(n)},
+        "time_bwd_s": {i: statistics.median(t.bwd[i] for t in runs) for i in range(n)},
+    }
