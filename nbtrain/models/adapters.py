@@ -12,7 +12,9 @@ imported here: a Hugging Face model is recognised by its ``config.model_type``, 
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Callable, ContextManager
 
 from torch import nn
 
@@ -39,9 +41,41 @@ class ModelFamily:
     """Keyword arguments every training forward passes (``use_cache=False`` for Hugging Face models)."""
     note: str = ""
     """Anything the user should know about how the model was read."""
+    fake_tracing: Callable[[], ContextManager] = nullcontext
+    """Context to enter while the profiler traces the model on fake tensors (see :func:`_hf_unpacked_batches`)."""
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.get_submodule(self.blocks_path)) if self.blocks_path else []
+
+
+@contextmanager
+def _hf_unpacked_batches():
+    """Make Hugging Face models take their eager mask path on fake tensors.
+
+    HF looks at the position ids to detect several sequences packed in one row; on fake tensors it cannot read
+    them, assumes packing, and builds a ``(batch, 1, seq, seq)`` mask (and expands grouped k/v heads) that a
+    real step with positions ``0..seq-1`` never builds. The profiler's batches are unpacked, so answer as a real
+    step would: no packed sequences.
+    """
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # another transformers version: nothing to correct
+        yield
+        return
+
+    def unpacked(position_ids, *args, **kwargs):
+        return None if isinstance(position_ids, FakeTensor) else original(position_ids, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _hf_family(model: nn.Module) -> ModelFamily | None:
@@ -53,10 +87,10 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
     path = next((p for p in hf_paths[model_type] if _has_submodule(model, p)), None)
     if model_type == "gpt2":
         return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
-                           config.n_head, forward_kwargs={"use_cache": False})
+                           config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)
     return ModelFamily("hf-llama", path, config.vocab_size, config.max_position_embeddings, config.hidden_size,
                        config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
-                       forward_kwargs={"use_cache": False})
+                       forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)
 
 
 def _has_submodule(model: nn.Module, path: str) -> bool:

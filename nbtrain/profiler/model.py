@@ -81,31 +81,36 @@ def _only_blocks(step: Step, keep: list[int]):
         setattr(parent, attr, full)
 
 
-def _fit(step: Step) -> list[dict[str, Scaling]]:
+def _fit(step: Step, asked: Counts, b: int, s: int) -> list[dict[str, Scaling]]:
     """Count six small shapes and fit each layer's quantities as polynomials in batch and length.
 
-    Identical blocks cost the same, so the probes run the model with one block of each kind (a 70B model's
-    80 blocks become one); if the model's forward does not allow that, all blocks run.
+    Identical blocks usually cost the same, so the probes first run the model with one block of each kind (a 70B
+    model's 80 blocks become one). Where that is not so (blocks that reuse a tensor an earlier block saved, such as
+    Hugging Face's shared RoPE tables) or the forward does not allow it, the fits miss the counted shape ``(b, s)``
+    and the probes run all blocks.
     """
-    s0 = max(1, min(32, (step.family.max_seq_len or 96) // 3))
-    probes = [(b, k * s0) for b in (1, 2) for k in (1, 2, 3)]
     first_of: dict[tuple, int] = {}
     rep = [first_of.setdefault(_signature(block), i) for i, block in enumerate(step.blocks)]
     keep = sorted(set(rep))
-    counts: list[Counts] | None = None
     if step.blocks and len(keep) < len(step.blocks):
         try:
             with _only_blocks(step, keep) as reduced:
-                counts = [count(reduced, b, s) for b, s in probes]
-            # where full layer i sits in the reduced model: embed 0, block j -> its kind's block, head last
-            where = [0] + [keep.index(r) + 1 for r in rep] + [len(keep) + 1]
+                fits = _fit_segments(reduced)
+            # full layer i in the reduced model: embed 0, block j -> its kind's block, head last
+            fits = [fits[0], *(fits[keep.index(r) + 1] for r in rep), fits[-1]]
+            if all(fit[q](b, s) == asked.values[q][i] for i, fit in enumerate(fits) for q in QUANTITIES):
+                return fits
         except Exception:
-            counts = None
-    if counts is None:
-        counts = [count(step, b, s) for b, s in probes]
-        where = list(range(step.num_segments))
-    return [{q: Scaling.fit([(b, s, c.values[q][w]) for (b, s), c in zip(probes, counts)]) for q in QUANTITIES}
-            for w in where]
+            pass
+    return _fit_segments(step)
+
+
+def _fit_segments(step: Step) -> list[dict[str, Scaling]]:
+    s0 = max(1, min(32, (step.family.max_seq_len or 96) // 3))
+    probes = [(b, k * s0) for b in (1, 2) for k in (1, 2, 3)]
+    counts = [count(step, b, s) for b, s in probes]
+    return [{q: Scaling.fit([(b, s, c.values[q][i]) for (b, s), c in zip(probes, counts)]) for q in QUANTITIES}
+            for i in range(step.num_segments)]
 
 
 def _segment_names(family: ModelFamily, num_blocks: int) -> list[tuple[str, str]]:
@@ -162,7 +167,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     model.train()  # profile training: dropout masks and the like are saved as in a real step
     try:
         asked = _count_or_explain(step, batch_size, seq_len)
-        fits = _fit(step)
+        fits = _fit(step, asked, batch_size, seq_len)
         device = _measure_device(measure)
         times = time_step(_materialized(step, device), batch_size, seq_len, device) if device else None
     finally:

@@ -77,6 +77,7 @@ def count(step: Step, b: int, s: int) -> Counts:
 
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
+        stack.enter_context(step.family.fake_tracing())
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
