@@ -57,3 +57,12 @@ class UnknownDeviceError(NbtrainError, LookupError):
 
 class CalibrationError(NbtrainError, RuntimeError):
     """A micro-benchmark of the local machine could not run (a worker died or timed out)."""
+
+
+class InvalidPlanError(NbtrainError, ValueError):
+    """A plan or strategy that cannot run: degrees that do not multiply to the device count, a malformed plan
+    string, a batch the data-parallel degree does not divide, ..."""
+
+
+class NoFeasiblePlanError(NbtrainError, RuntimeError):
+    """No plan fits the memory budget; the message gives the smallest memory per device that would fit."""

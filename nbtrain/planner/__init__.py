@@ -1,0 +1,1 @@
+"""The planner: pure Python (no process groups, no devices). Strategies and plans, the cost model, the search."""
