@@ -1,0 +1,348 @@
+"""The cost model: memory per device and time per step of a plan, from a model profile and a cluster.
+
+    >>> from nbtrain.planner.cost import estimate
+    >>> pred = estimate(Plan.parse("dp_shard=8 ac", num_devices=8, num_layers=34, global_batch=64, seq_len=2048),
+    ...                 profile, cluster)
+    >>> pred.step_time_s, pred.memory_bytes
+
+Units: bytes, seconds, FLOP/s; everything per device. The mesh is laid out ``pp × dp_replicate × dp_shard × tp``
+with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices stays inside a node when
+``k ≤ devices_per_node``. Terms, each with its source:
+
+* **Model states** (Rajbhandari et al. 2020, ZeRO §3): compute-dtype parameters and gradients, fp32 master
+  copy and two Adam moments (12 bytes/param; 8 when the compute dtype is fp32). TP divides all of them by ``tp``
+  (Shoeybi et al. 2019); ZeRO-2 shards gradients and optimizer state over ``dp_shard``, ZeRO-3 parameters too.
+  The offloaded fraction of the optimizer state lives in host memory.
+* **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch, divided by ``tp``
+  (sequence parallelism shards even the norms' inputs); with checkpointing only the layer's input is kept.
+  Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
+* **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
+  gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
+  the sum of its layers' resident bytes plus the largest transient of its layers plus a fixed reserve.
+* **Compute**: profiled FLOPs / sustained FLOP/s; checkpointing adds one forward (Chen et al. 2016).
+* **TP**: Megatron-SP issues 2 all-gathers and 2 reduce-scatters of the hidden state per block in forward and
+  again in backward (Korthikanti et al. 2022, §4.2.2); embeddings and head one each way. Ring cost
+  ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005). Not overlapped.
+* **ZeRO-3** gathers each layer's parameters in forward and again in backward, every micro-batch; prefetching
+  hides them under that layer's compute, so only the excess shows.
+* **Data-parallel gradient sync**, once per step, in fp32: all-reduce ``2(k − 1)/k · bytes / bw`` (DDP), or
+  reduce-scatter (+ all-gather of the updated shard for ZeRO-2) over ``dp_shard`` and an all-reduce of the shard
+  over ``dp_replicate``. It overlaps with backward: a layer's collective runs while the layer before it computes
+  its backward, slowed by contention (Galvatron measures ×1.3); only the excess shows.
+* **CPU update offload**: the offloaded fraction's AdamW runs on the host at the node's rate shared by its
+  devices, and its gradients (fp32) go down and parameters (compute dtype) up over PCIe. CoTrain (Liu et al.
+  2023) overlaps both with backward: a layer's update starts when its gradients are ready, so only the excess
+  over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it.
+* **Re-layout** between consecutive layers whose (dp, tp) layout differs: the hidden state moves once forward,
+  once backward (Galvatron-BMW's transformation cost).
+* **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch; step time
+  ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (GPipe, Huang et al. 2019; the same bubble for 1F1B). Once-per-step costs (the
+  gradient sync, the offloaded update) are spread over the ``m`` micro-batches of their stage, which is exact
+  for ``pp = 1`` and keeps every stage's time a sum over its layers, so the search stays exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+
+from nbtrain.errors import InvalidPlanError
+from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.profiler.hardware import Cluster
+from nbtrain.profiler.result import ModelProfile
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model; the defaults are what nbtrain's executor does."""
+
+    reserve_bytes: int | None = None
+    """Memory per device the model cannot use (CUDA context, NCCL buffers, allocator slack); ``None``: 1 GiB on
+    GPUs, none on the CPU."""
+    overlap_slowdown: float = 1.3
+    """Slowdown of a collective overlapped with compute (Galvatron-BMW's measured coefficient)."""
+    offload_overlap: bool = True
+    """CoTrain's schedule (update overlapped with backward) or ZeRO-Offload's (after backward)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element in the data-parallel reduction (fp32, as the executor reduces)."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, by what they hold."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    transient: float = 0.0
+    reserve: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other: "Memory") -> "Memory":
+        return Memory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class Time:
+    """Seconds per step, by what they are spent on (communication counts only where not hidden)."""
+
+    compute: float = 0.0
+    tp_comm: float = 0.0
+    zero3_comm: float = 0.0
+    dp_comm: float = 0.0
+    offload: float = 0.0
+    relayout: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other: "Time") -> "Time":
+        return Time(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def scaled(self, k: float) -> "Time":
+        return Time(*(getattr(self, f.name) * k for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer under one strategy: resident memory, transient peak, and time per micro-batch."""
+
+    memory: Memory
+    """Resident bytes with activations for ONE micro-batch (the stage multiplies by the micro-batches in flight)."""
+    activations: float
+    """Activation bytes of one micro-batch (already in ``memory.activations``)."""
+    transient: float
+    time: Time
+    """Per micro-batch, once-per-step costs spread over the micro-batches."""
+    host_bytes: float
+    """Offloaded optimizer state in host memory."""
+
+    def resident(self, in_flight: int) -> float:
+        return self.memory.total + (in_flight - 1) * self.activations
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """One pipeline stage: its layers, memory per device and time per micro-batch."""
+
+    start: int
+    end: int
+    in_flight: int
+    memory: Memory
+    time_per_microbatch: float
+    host_bytes: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for a plan."""
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs (no recompute) per step / (step time × devices × peak FLOP/s)."""
+    stages: tuple[StagePrediction, ...]
+    time: Time
+    budget_bytes: float
+    host_budget_bytes: float
+
+    @property
+    def memory_bytes(self) -> float:
+        """The largest memory per device over the stages."""
+        return max(stage.memory.total for stage in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        host = max(stage.host_bytes for stage in self.stages)
+        return self.memory_bytes <= self.budget_bytes and host <= self.host_budget_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory_bytes"] = self.memory_bytes
+        d["fits"] = self.fits
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Prediction":
+        stages = tuple(StagePrediction(**{**s, "memory": Memory(**s["memory"])}) for s in d["stages"])
+        keep = {k: v for k, v in d.items() if k not in ("memory_bytes", "fits", "stages", "time")}
+        return cls(**keep, stages=stages, time=Time(**d["time"]))
+
+
+def _ring(k: int, nbytes: float, bandwidth: float) -> float:
+    """One all-gather or reduce-scatter over a ring of ``k`` devices (Thakur et al. 2005)."""
+    return 0.0 if k <= 1 else (k - 1) / k * nbytes / bandwidth
+
+
+class CostModel:
+    """Evaluates layers and plans for one model, cluster, global batch and sequence length."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
+                 budget_bytes: float | None = None, options: CostOptions = CostOptions()):
+        self.profile, self.cluster, self.options = profile, cluster, options
+        self.global_batch = global_batch
+        self.seq_len = seq_len or profile.seq_len
+        self.budget = float(budget_bytes if budget_bytes is not None else cluster.device_memory)
+        self.reserve = options.reserve_bytes if options.reserve_bytes is not None else (
+            0 if cluster.device == "cpu" else GiB)
+        self.e = profile.dtype_bytes
+        self.host_budget = cluster.host_memory / cluster.devices_per_node
+        self._eval = lru_cache(maxsize=None)(self._evaluate)
+
+    # -- profile lookups -------------------------------------------------------------------------------------
+    def _evaluate(self, layer: int, quantity: str, batch: float) -> float:
+        """A profiled quantity of ``layer`` at ``batch`` sequences (may be fractional: per-device shares)."""
+        return self.profile.layers[layer].scaling[quantity](1, self.seq_len) * batch if batch else 0.0
+
+    def _hidden(self, layer: int, batch: float) -> float:
+        """Bytes of the hidden state entering ``layer`` (what TP collectives and re-layouts move)."""
+        if self.profile.layers[layer].kind == "head" and layer > 0:
+            return self._eval(layer - 1, "output_bytes", batch)
+        if layer == 0:
+            return self._eval(0, "output_bytes", batch)
+        return self._eval(layer - 1, "output_bytes", batch)
+
+    def _bandwidth(self, span: int) -> float:
+        c = self.cluster
+        return c.intra_node_bandwidth if span <= c.devices_per_node else c.inter_node_bandwidth
+
+    def micro_batch(self, strategy: Strategy, microbatches: int) -> float:
+        """Sequences per device per micro-batch."""
+        return self.global_batch / (microbatches * strategy.dp)
+
+    # -- one layer -------------------------------------------------------------------------------------------
+    def layer(self, index: int, s: Strategy, microbatches: int) -> LayerCost:
+        prof, c, e, opt = self.profile.layers[index], self.cluster, self.e, self.options
+        b = self.micro_batch(s, microbatches)
+        p = prof.params / s.tp
+        shard = s.dp_shard
+        params = p * e / (shard if s.zero == 3 else 1)
+        grads = p * e / shard
+        optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
+        full_act = self._eval(index, "activation_bytes", b) / s.tp
+        if s.ac:  # keep only the layer's input (token ids for the first layer)
+            act = (self._hidden(index, b) if index > 0 else 8 * b * self.seq_len) / s.tp
+        else:
+            act = full_act
+        transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
+            + (full_act if s.ac else 0.0)
+
+        flops_fwd = self._eval(index, "flops_fwd", b) / s.tp
+        flops_bwd = self._eval(index, "flops_bwd", b) / s.tp
+        rate = c.sustained_flops
+        fwd, bwd = flops_fwd / rate, flops_bwd / rate
+        compute = fwd + bwd + (fwd if s.ac else 0.0)
+
+        passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward
+        per_pass = 4 if prof.kind == "block" else 1
+        tp_comm = passes * per_pass * _ring(s.tp, self._hidden(index, b), self._bandwidth(s.tp))
+
+        shard_bw = self._bandwidth(shard * s.tp)
+        zero3 = 0.0
+        if s.zero == 3 and shard > 1:
+            gathers = 2 * _ring(shard, p * e, shard_bw) * opt.overlap_slowdown
+            zero3 = max(0.0, gathers - compute)
+
+        grad_bytes = p * opt.grad_reduce_bytes
+        sync = _ring(shard, grad_bytes, shard_bw)  # reduce-scatter (all-reduce = reduce-scatter + all-gather)
+        if shard > 1 and s.zero == 2:
+            sync += _ring(shard, p * e, shard_bw)  # gather the updated shard
+        sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(s.devices))
+        dp_comm = max(0.0, sync * opt.overlap_slowdown - bwd)
+
+        offloaded = p / shard * s.offload
+        cpu = offloaded / (c.cpu_optimizer_rate / c.devices_per_node)
+        pcie = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth
+        offload = max(0.0, max(cpu, pcie) - bwd) if opt.offload_overlap else cpu + pcie
+
+        per_step = Time(dp_comm=dp_comm, offload=offload).scaled(1 / microbatches)
+        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
+        memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
+        return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
+
+    def relayout(self, index: int, before: Strategy, after: Strategy, microbatches: int) -> float:
+        """Seconds per micro-batch to move the hidden state entering ``index`` between two layouts."""
+        if before.layout == after.layout:
+            return 0.0
+        nbytes = max(self._hidden(index, self.micro_batch(s, microbatches)) / s.tp for s in (before, after))
+        return 2 * nbytes / self._bandwidth(before.devices)
+
+    def p2p(self, last_layer: int, s: Strategy, microbatches: int, pp: int) -> float:
+        """Seconds per micro-batch a stage ending at ``last_layer`` spends sending activations / receiving grads."""
+        nbytes = self._eval(last_layer, "output_bytes", self.micro_batch(s, microbatches)) / s.tp
+        return 2 * nbytes / self._bandwidth(self.cluster.num_devices // pp * 2)
+
+    def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:
+        return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
+
+    # -- a whole plan ----------------------------------------------------------------------------------------
+    def stage(self, plan: Plan, i: int, start: int, end: int) -> tuple[StagePrediction, Time]:
+        k = self.in_flight(i, plan.pp, plan.microbatches, plan.schedule)
+        costs = [self.layer(j, plan.layers[j], plan.microbatches) for j in range(start, end)]
+        memory = Memory(reserve=self.reserve, transient=max(cost.transient for cost in costs))
+        time = Time()
+        for j, cost in zip(range(start, end), costs):
+            memory = memory + cost.memory + Memory(activations=(k - 1) * cost.activations)
+            time = time + cost.time
+            if j > start:
+                time = time + Time(relayout=self.relayout(j, plan.layers[j - 1], plan.layers[j], plan.microbatches))
+        if i < plan.pp - 1:
+            time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp))
+        host = sum(cost.host_bytes for cost in costs)
+        return StagePrediction(start, end, k, memory, time.total, host), time
+
+    def estimate(self, plan: Plan) -> Prediction:
+        self.check(plan)
+        stages, times = zip(*(self.stage(plan, i, a, b) for i, (a, b) in enumerate(plan.stage_ranges())))
+        slowest = max(stage.time_per_microbatch for stage in stages)
+        m = plan.microbatches
+        step = sum(stage.time_per_microbatch for stage in stages) + (m - 1) * slowest
+        # time by category: every stage's per-micro-batch time once, the slowest stage's m − 1 more times
+        slow_index = max(range(len(stages)), key=lambda i: stages[i].time_per_microbatch)
+        total = Time()
+        for t in times:
+            total = total + t
+        total = total + times[slow_index].scaled(m - 1)
+        model_flops = self.profile.at(self.global_batch, self.seq_len).flops_per_step
+        peak = self.cluster.num_devices * self.cluster.peak_flops
+        return Prediction(step, self.global_batch * self.seq_len / step, model_flops / (step * peak), stages,
+                          total, self.budget, self.host_budget)
+
+    def check(self, plan: Plan) -> None:
+        """Reject plans this model and cluster cannot take, with what to change."""
+        if plan.num_devices != self.cluster.num_devices:
+            raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but the cluster has "
+                                   f"{self.cluster.num_devices}; write the plan for {self.cluster.num_devices}")
+        if plan.num_layers != len(self.profile.layers):
+            raise InvalidPlanError(f"the plan has {plan.num_layers} layers but {self.profile.model} has "
+                                   f"{len(self.profile.layers)} (embeddings, blocks, head)")
+        heads = self.profile.arch.get("n_kv_head") or self.profile.arch.get("n_head")
+        for i, s in enumerate(plan.layers):
+            if s.tp > 1 and heads and heads % s.tp:
+                raise InvalidPlanError(f"layer {i}: tp={s.tp} does not divide the {heads} attention heads "
+                                       f"({self.profile.model}); use a tp that divides {heads}")
+            if self.global_batch % (plan.microbatches * s.dp):
+                raise InvalidPlanError(
+                    f"layer {i}: global batch {self.global_batch} is not divisible by microbatches × dp = "
+                    f"{plan.microbatches} × {s.dp} = {plan.microbatches * s.dp}")
+
+
+def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,
+             seq_len: int | None = None, memory: float | None = None, options: CostOptions = CostOptions()
+             ) -> Prediction:
+    """Predict any plan — recommended or typed — on ``cluster``: step time, throughput, memory per stage."""
+    batch = global_batch or plan.global_batch
+    if not batch:
+        raise InvalidPlanError("estimate needs the global batch: pass global_batch=... or put it in the plan")
+    model = CostModel(profile, cluster, global_batch=batch, seq_len=seq_len or plan.seq_len,
+                      budget_bytes=memory, options=options)
+    return model.estimate(plan)
