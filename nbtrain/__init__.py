@@ -3,6 +3,8 @@
     >>> import nbtrain
     >>> prof = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
     >>> cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)
+    >>> best = nbtrain.plan(prof, cluster, global_batch=64, seq_len=4096)
+    >>> print(best.table()); print(best.summary())
 
 The public names load lazily, so ``import nbtrain`` is quick and never needs IPython; torch loads on first use.
 """
@@ -23,6 +25,11 @@ _PUBLIC = {
     "build_preset": "nbtrain.models.presets",
     "PRESETS": "nbtrain.models.presets",
     "NbtrainError": "nbtrain.errors",
+    "plan": "nbtrain.planner.recommend",
+    "baselines": "nbtrain.planner.recommend",
+    "estimate": "nbtrain.planner.cost",
+    "Plan": "nbtrain.planner.strategy",
+    "Strategy": "nbtrain.planner.strategy",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -3,6 +3,8 @@
     $ nbtrain profile llama-70b --batch 1 --seq 4096          # table of layers, FLOPs and memory
     $ nbtrain profile gpt2 --json                             # the same as JSON
     $ nbtrain profile mypkg.models:build --measure            # time the layers on this machine too
+    $ nbtrain plan llama-7b --gpus 8 --memory 24GiB --batch 64 --seq 2048     # the fastest plan that fits
+    $ nbtrain plan llama-7b --gpus 8 --batch 64 --seq 2048 --strategy "dp_shard=8 ac"   # evaluate a typed plan
     $ nbtrain cluster H100 --gpus 16                          # a cluster from the device catalog
     $ nbtrain cluster --detect                                # measure this machine
 
@@ -45,6 +47,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=_profile)
 
+    q = sub.add_parser("plan", help="the fastest hybrid-parallel plan that fits, or the prediction for a typed one",
+                       description="Profile the model, search data/sharded/tensor/pipeline parallelism, activation "
+                                   "checkpointing and CPU offload per layer, and print the plan.")
+    q.add_argument("model", help="a preset or 'package.module:attribute' (as for 'nbtrain profile')")
+    q.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
+    q.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node (default ≤ 8)")
+    q.add_argument("--gpu", default="H100", help="device from the catalog (default H100)")
+    q.add_argument("--memory", default=None, help="memory budget per device, e.g. 40GiB (default: the device's)")
+    q.add_argument("--batch", type=_positive_int, required=True, help="global batch: sequences per step")
+    q.add_argument("--seq", type=_positive_int, default=None, help="tokens per sequence (default: as profile)")
+    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype (bf16)")
+    q.add_argument("--strategy", default=None, help='evaluate this plan instead of searching, e.g. '
+                                                    '"pp=2 mb=8 | dp_shard=4 tp=2 ac"')
+    q.add_argument("--top", type=_positive_int, default=3, help="plans to show: the best and top-1 alternatives")
+    q.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    q.set_defaults(run=_plan)
+
     c = sub.add_parser("cluster", help="describe a cluster from the device catalog, or measure this machine")
     c.add_argument("device", nargs="?", default=None, help="catalog name (H100, A100-80GB, ...); omit with --detect")
     c.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
@@ -60,6 +79,30 @@ def _profile(args) -> None:
 
     result = profile(args.model, batch_size=args.batch, seq_len=args.seq, dtype=args.dtype, measure=args.measure)
     print(result.to_json() if args.json else result)
+
+
+def _plan(args) -> None:
+    from nbtrain.planner.recommend import baselines, plan
+    from nbtrain.planner.report import comparison_table
+    from nbtrain.profiler.hardware import Cluster
+    from nbtrain.profiler.model import profile
+
+    cluster = Cluster.from_catalog(args.gpu, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
+    prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
+    best = plan(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
+                strategy=args.strategy, top=args.top)
+    known = baselines(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=best.predicted.budget_bytes)
+    if args.json:
+        data = best.to_dict()
+        data["baselines"] = [{"name": b.name, "plan": b.plan.to_dict() if b.plan else None, "note": b.note}
+                             for b in known]
+        print(json.dumps(data, indent=2))
+        return
+    print(best.table())
+    print()
+    print(comparison_table(best, known))
+    print()
+    print(best.summary(label="evaluated" if args.strategy else "recommended"))
 
 
 def _cluster(args) -> None:

@@ -230,6 +230,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
         if solved is None:
             continue
         _, ranges, chosen = solved
+        chosen = _tidy(chosen, task, kinds)
         plan = Plan(num_devices=cluster.num_devices, layers=tuple(task.space[j] for j in chosen), pp=task.pp,
                     microbatches=task.microbatches, schedule=task.schedule,
                     stages=tuple(e - a for a, e in ranges), global_batch=global_batch,
@@ -241,12 +242,29 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
 
 
 def _layer_kinds(profile: ModelProfile) -> list[int]:
-    """A small id per layer; two layers share it when their costs are equal under every strategy (the same
-    profiled costs, and the same input: the costs of re-layouts and TP collectives depend on it)."""
-    def signature(layer):
-        return (layer.kind, layer.params,
-                tuple(layer.scaling[q].coeffs for q in ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes")))
+    """A small id per layer; two layers share it when their costs are equal under every strategy: the same
+    profiled costs and the same input size (what TP collectives and re-layouts move)."""
+    def signature(i: int):
+        layer = profile.layers[i]
+        input_size = profile.layers[i - 1].scaling["output_bytes"].coeffs if i else None
+        costs = tuple(layer.scaling[q].coeffs for q in ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes"))
+        return layer.kind, layer.params, costs, input_size
     ids: dict = {}
-    layers = profile.layers
-    return [ids.setdefault((signature(layer), signature(layers[i - 1]) if i else None), len(ids))
-            for i, layer in enumerate(layers)]
+    return [ids.setdefault(signature(i), len(ids)) for i in range(len(profile.layers))]
+
+
+def _tidy(chosen: list[int], task: _Task, kinds: list[int]) -> list[int]:
+    """Group equal strategies inside runs of identical layers that share a layout.
+
+    Such layers cost the same whatever their order (no re-layout between them), so the search may return them
+    interleaved (``ac`` on every other block); sorting them changes no cost and gives ranges a person can read.
+    """
+    out = list(chosen)
+    start = 0
+    for i in range(1, len(out) + 1):
+        same = i < len(out) and kinds[i] == kinds[start] and \
+            task.space[out[i]].layout == task.space[out[start]].layout
+        if not same:
+            out[start:i] = sorted(out[start:i])
+            start = i
+    return out

@@ -175,6 +175,8 @@ class Plan:
     """The model the plan is for (a preset name or ``module:attribute``), for display and checks."""
     predicted: object | None = field(default=None, compare=False)
     """What the cost model predicts for this plan (an object with ``to_dict()``), or None. Opaque here."""
+    alternatives: tuple = field(default=(), compare=False)
+    """The next best plans the search found (each with its prediction), best first."""
 
     def __post_init__(self):
         n = _positive_int(self.num_devices, "num_devices", "the plan needs at least one device")
@@ -263,6 +265,7 @@ class Plan:
         if resized and "stages" not in changes:
             changes["stages"] = ()
         changes.setdefault("predicted", None)
+        changes.setdefault("alternatives", ())
         return dataclasses.replace(self, **changes)
 
     # -- the compact form --------------------------------------------------------------------------------------
@@ -292,7 +295,7 @@ class Plan:
         return {"num_devices": self.num_devices, "layers": [s.to_dict() for s in self.layers], "pp": self.pp,
                 "microbatches": self.microbatches, "schedule": self.schedule, "stages": list(self.stages),
                 "global_batch": self.global_batch, "seq_len": self.seq_len, "model": self.model,
-                "predicted": predicted}
+                "predicted": predicted, "alternatives": [alt.to_dict() for alt in self.alternatives]}
 
     @classmethod
     def from_dict(cls, d: dict, prediction_type=None) -> Plan:
@@ -308,10 +311,25 @@ class Plan:
         fields["stages"] = tuple(d.get("stages", ()))
         if fields.get("predicted") is not None and prediction_type is not None:
             fields["predicted"] = prediction_type(fields["predicted"])
+        fields["alternatives"] = tuple(cls.from_dict(alt, prediction_type) for alt in d.get("alternatives", ()))
         return cls(**fields)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    # -- display (needs a prediction; see nbtrain.planner.report) -------------------------------------------
+    def summary(self, label: str = "recommended") -> str:
+        from nbtrain.planner.report import plan_summary
+
+        return plan_summary(self, label)
+
+    def table(self):
+        from nbtrain.planner.report import plan_table
+
+        return plan_table(self)
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
 
     @classmethod
     def from_json(cls, text: str, prediction_type=None) -> Plan:

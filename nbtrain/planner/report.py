@@ -1,0 +1,99 @@
+"""Show a plan: a table with one row per pipeline stage, a one-line summary, and the comparison with baselines.
+
+    >>> print(best.summary())
+    recommended: pp=1 · dp_shard=8 · tp=1 · ac on 31/34 · offload 0% · fits 15.98/16.00 GiB · 1.18 s/step
+    >>> print(best.table())
+    >>> print(comparison_table(best, baselines(profile, cluster, global_batch=64)))
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from nbtrain.planner.strategy import Plan
+from nbtrain.table import Table
+from nbtrain.units import format_bytes, format_seconds
+
+
+def _layer_part(plan: Plan, start: int, end: int) -> str:
+    """The compact strategies of layers [start, end): runs of equal strategies as ranges."""
+    runs, i = [], start
+    while i < end:
+        j = i
+        while j + 1 < end and plan.layers[j + 1] == plan.layers[i]:
+            j += 1
+        label = f"{i}" if i == j else f"{i}-{j}"
+        runs.append(f"{label}: {plan.layers[i]}")
+        i = j + 1
+    return "; ".join(runs)
+
+
+def _most_common(plan: Plan, attribute: str):
+    return Counter(getattr(s, attribute) for s in plan.layers).most_common(1)[0][0]
+
+
+def plan_summary(plan: Plan, label: str = "recommended") -> str:
+    """One line: the main degrees, checkpointing and offload, memory against the budget, time per step."""
+    n = plan.num_layers
+    ac = sum(s.ac for s in plan.layers)
+    offload = sum(s.offload for s in plan.layers) / n
+    parts = [f"pp={plan.pp}", f"dp_replicate={_most_common(plan, 'dp_replicate')}",
+             f"dp_shard={_most_common(plan, 'dp_shard')}", f"tp={_most_common(plan, 'tp')}",
+             f"ac on {ac}/{n}", f"offload {offload:.0%}"]
+    pred = plan.predicted
+    if pred is not None:
+        verdict = "fits" if pred.fits else "DOES NOT FIT"
+        parts += [f"{verdict} {format_bytes(pred.memory_bytes)}/{format_bytes(pred.budget_bytes)}",
+                  f"{format_seconds(pred.step_time_s)}/step"]
+    return f"{label}: " + " · ".join(parts)
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per pipeline stage: its layers and strategies, memory per device by category, time."""
+    pred = plan.predicted
+    table = Table(["stage", "layers", "strategies", "params", "grads", "optimizer", "activations", "total",
+                   "time/µbatch"], align="llrrrrrrr")
+    table.title = f"{plan.model or 'plan'} on {plan.num_devices} devices: {plan}"
+    for i, (start, end) in enumerate(plan.stage_ranges()):
+        row = [str(i), f"{start}-{end - 1}", _layer_part(plan, start, end)]
+        if pred is not None:
+            stage = pred.stages[i]
+            m = stage.memory
+            row += [format_bytes(m.params), format_bytes(m.grads), format_bytes(m.optimizer),
+                    format_bytes(m.activations + m.transient), format_bytes(m.total),
+                    format_seconds(stage.time_per_microbatch)]
+        table.add(*row)
+    if pred is not None:
+        t = pred.time
+        table.footer.append(
+            f"predicted: {format_seconds(pred.step_time_s)} per step · {pred.tokens_per_s:,.0f} tokens/s · "
+            f"MFU {pred.mfu:.1%} · memory {format_bytes(pred.memory_bytes)} of {format_bytes(pred.budget_bytes)} "
+            f"per device ({'fits' if pred.fits else 'does NOT fit'})")
+        spent = [(name, getattr(t, name)) for name in ("compute", "tp_comm", "zero3_comm", "dp_comm", "offload",
+                                                       "relayout", "pp_comm", "bubble") if getattr(t, name) > 0]
+        table.footer.append("time: " + " · ".join(f"{name} {format_seconds(v)}" for name, v in spent))
+        host = max(stage.host_bytes for stage in pred.stages)
+        if host:
+            table.footer.append(f"host memory for offloaded optimizer state: {format_bytes(host)} per device "
+                                f"(of {format_bytes(pred.host_budget_bytes)})")
+        table.footer.append("activations include the transient peak of the largest layer's backward and recompute")
+    return table
+
+
+def comparison_table(recommended: Plan, baselines) -> Table:
+    """The recommended plan, its alternatives and the uniform baselines, with time, memory and speed-up."""
+    table = Table(["plan", "strategy", "step time", "memory/device", "fits", "speed-up"], align="llrrlr")
+    best = recommended.predicted.step_time_s
+    rows = [("recommended", recommended)] + [(f"alternative {i + 1}", alt)
+                                             for i, alt in enumerate(recommended.alternatives)]
+    rows += [(b.name, b.plan) for b in baselines]
+    for name, p in rows:
+        if p is None:
+            table.add(name, "does not apply", "", "", "", "")
+            continue
+        pred = p.predicted
+        speedup = f"{pred.step_time_s / best:.2f}×" if pred.fits else ""
+        table.add(name, str(p), format_seconds(pred.step_time_s), format_bytes(pred.memory_bytes),
+                  "yes" if pred.fits else "no", speedup)
+    table.footer.append("speed-up: how many times longer that plan's step takes than the recommended one's")
+    return table
