@@ -1,0 +1,408 @@
+"""The cost model against numbers derived by hand from the formulas in :mod:`nbtrain.planner.cost`'s docstring.
+
+    .venv/bin/pytest tests/test_cost_model.py -q          # about a second, pure Python
+
+Every test uses the same toy model, seq_len 100, so a micro-batch of ``b`` sequences has ``100·b`` tokens:
+
+    layer  kind       params     saved bytes/token  output bytes/token  forward FLOPs/token (backward = 2×)
+    0      embedding    800,000      16                 200                 1,000
+    1      block      8,000,000   1,000                 200            10,000,000
+    2      block      8,000,000   1,000                 200            10,000,000
+    3      head       1,600,000     500               4,000             2,000,000
+
+on 8 devices in one node at 1 TFLOP/s sustained, 1 GB/s for every link, 8 G params/s of CPU AdamW per node, with
+no memory reserve unless a test is about it. The expected value of each test is written out from the paper formula
+in a comment; the code under test is never called to produce it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import pytest
+
+from nbtrain.errors import InvalidPlanError
+from nbtrain.planner.cost import GiB, CostModel, CostOptions, Memory, estimate
+from nbtrain.planner.strategy import Plan, Strategy, strategy_space
+from nbtrain.profiler.result import Scaling
+
+from planner_fixtures import cluster, layer, per_token, profile
+
+S = Strategy
+P_EMBED, P_BLOCK, P_HEAD = 800_000, 8_000_000, 1_600_000
+NO_RESERVE = CostOptions(reserve_bytes=0)
+EXACT = 1e-9
+
+
+def toy(dtype: str = "bfloat16", **changes):
+    return profile([
+        layer("embed", "embedding", params=P_EMBED, act=16, out=200, fwd=1_000),
+        layer("blocks.0", "block", params=P_BLOCK, act=1_000, out=200, fwd=10_000_000),
+        layer("blocks.1", "block", params=P_BLOCK, act=1_000, out=200, fwd=10_000_000),
+        layer("head", "head", params=P_HEAD, act=500, out=4_000, fwd=2_000_000),
+    ], seq_len=100, dtype=dtype, **changes)
+
+
+def cost_model(global_batch: int = 16, *, prof=None, devices: int = 8, options: CostOptions = NO_RESERVE,
+               **cluster_changes) -> CostModel:
+    return CostModel(prof or toy(), cluster(devices, cluster_changes.pop("devices_per_node", devices),
+                                            **cluster_changes),
+                     global_batch=global_batch, options=options)
+
+
+def plan(*layers: Strategy, devices: int = 8, **fields) -> Plan:
+    """A plan of the toy model's four layers; one strategy means the same for all."""
+    layers = layers * 4 if len(layers) == 1 else layers
+    return Plan(num_devices=devices, layers=layers, **fields)
+
+
+def same_memory(expected: Memory):
+    return pytest.approx(dataclasses.asdict(expected), rel=EXACT)
+
+
+# --- model states (ZeRO, Rajbhandari et al. 2020 §3; Megatron TP) -------------------------------------------------
+
+def test_plain_data_parallel_holds_16_bytes_per_parameter_in_mixed_precision():
+    cost = cost_model().layer(1, S(dp_replicate=8), microbatches=1)
+    # bf16 weights 2 + bf16 grads 2 + fp32 master, momentum, variance 12 = 16 bytes/param, nothing sharded.
+    # 16 sequences over dp=8 in one micro-batch: b = 2, saved bytes 1000·2·100.
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=2 * P_BLOCK, grads=2 * P_BLOCK, optimizer=12 * P_BLOCK, activations=200_000))
+    assert cost.transient == 0 and cost.host_bytes == 0  # no sharding: no gather, no unsharded gradient buffer
+
+
+def test_fp32_training_holds_weights_grads_and_two_moments_16_bytes_per_parameter():
+    cost = cost_model(prof=toy("float32")).layer(1, S(dp_replicate=8), microbatches=1)
+    # fp32: the weights are the master copy: 4 + 4 + 8 (two moments) = 16 bytes/param
+    assert (cost.memory.params, cost.memory.grads, cost.memory.optimizer) == pytest.approx(
+        (4 * P_BLOCK, 4 * P_BLOCK, 8 * P_BLOCK), rel=EXACT)
+
+
+def test_zero2_keeps_full_parameters_and_shards_gradients_and_optimizer_state():
+    cost = cost_model().layer(1, S(dp_shard=8, zero=2), microbatches=1)
+    # 2P full; (2P + 12P) / 8. Transient: the unsharded bf16 gradient before its reduce-scatter, 2P.
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=16_000_000, grads=2_000_000, optimizer=12_000_000, activations=200_000))
+    assert cost.transient == pytest.approx(16_000_000, rel=EXACT)
+
+
+def test_zero3_holds_one_dp_shard_th_of_every_model_state():
+    cost = cost_model().layer(1, S(dp_shard=8), microbatches=1)
+    # (2P + 2P + 12P) / 8 = 2 bytes/param; transient: gathered bf16 params 2P + unsharded bf16 grads 2P.
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=2_000_000, grads=2_000_000, optimizer=12_000_000, activations=200_000))
+    assert cost.transient == pytest.approx(32_000_000, rel=EXACT)
+
+
+def test_hsdp_shards_over_dp_shard_only_and_replicates_over_dp_replicate():
+    cost = cost_model().layer(1, S(dp_replicate=2, dp_shard=4), microbatches=1)
+    # dp = 8 still splits the batch (b = 2) but the states are divided by dp_shard = 4 only
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=4_000_000, grads=4_000_000, optimizer=24_000_000, activations=200_000))
+
+
+def test_tensor_parallel_divides_parameters_gradients_optimizer_and_activations_by_tp():
+    cost = cost_model().layer(1, S(dp_replicate=2, tp=4), microbatches=1)
+    # dp = 2: b = 8 sequences, 800 tokens: saved 1000·800 / tp 4. Model states 16 bytes · P / 4, unsharded.
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=4_000_000, grads=4_000_000, optimizer=24_000_000, activations=200_000))
+    assert cost.transient == 0
+
+
+def test_tensor_parallel_and_zero3_divide_together():
+    cost = cost_model().layer(1, S(dp_shard=2, tp=4), microbatches=1)
+    # P / tp = 2M params per TP rank, / dp_shard 2: 2·1M + 2·1M + 12·1M. Transient: gathered 2·2M + grads 2·2M.
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=2_000_000, grads=2_000_000, optimizer=12_000_000, activations=200_000))
+    assert cost.transient == pytest.approx(8_000_000, rel=EXACT)
+
+
+# --- activations and checkpointing (Korthikanti et al. 2022; Chen et al. 2016) ------------------------------------
+
+def test_checkpointing_keeps_only_the_previous_layers_output_and_recomputes_the_rest_as_a_transient():
+    cost = cost_model().layer(1, S(dp_shard=8, ac=True), microbatches=1)
+    # kept: the embedding's output 200 bytes/token · 200 tokens; transient: ZeRO-3's 2P + 2P plus the recomputed
+    # activations of one micro-batch, 1000 · 200
+    assert cost.memory.activations == pytest.approx(40_000, rel=EXACT)
+    assert cost.activations == pytest.approx(40_000, rel=EXACT)
+    assert cost.transient == pytest.approx(32_000_000 + 200_000, rel=EXACT)
+
+
+def test_checkpointing_the_embedding_keeps_its_int64_token_ids():
+    cost = cost_model().layer(0, S(dp_replicate=8, ac=True), microbatches=1)
+    # 8 bytes per token id, b = 2 sequences of 100; the recomputed activations 16 · 200 are the transient
+    assert cost.memory.activations == pytest.approx(8 * 200, rel=EXACT)
+    assert cost.transient == pytest.approx(16 * 200, rel=EXACT)
+
+
+def test_checkpointing_under_tensor_parallel_keeps_the_sequence_parallel_shard_of_the_input():
+    cost = cost_model().layer(2, S(dp_replicate=4, tp=2, ac=True), microbatches=1)
+    # dp = 4: b = 4 (400 tokens); input = block 0's output 200 · 400, sharded over tp 2; transient 1000·400/2
+    assert cost.memory.activations == pytest.approx(40_000, rel=EXACT)
+    assert cost.transient == pytest.approx(200_000, rel=EXACT)
+
+
+def test_a_batch_independent_activation_term_is_counted_once_per_micro_batch():
+    # The profile's polynomials carry batch-independent terms (position ids, a causal mask: TERMS "s", "s^2",
+    # "1"); "the profiled saved bytes of a micro-batch" of b sequences is the polynomial at (b, s), where such a
+    # term appears once, not b times.
+    block = layer("blocks.0", "block", params=P_BLOCK, act=1_000, out=200, fwd=10_000_000,
+                  scaling={"activation_bytes": Scaling((1_000, 0, 0, 0, 0, 5_000))})
+    prof = toy()
+    prof = dataclasses.replace(prof, layers=(prof.layers[0], block) + prof.layers[2:])
+    cost = cost_model(prof=prof).layer(1, S(dp_replicate=8), microbatches=1)
+    # b = 2: 1000 · 2 · 100 + 5000 (not 2 · (1000 · 100 + 5000) = 210,000)
+    assert cost.memory.activations == pytest.approx(205_000, rel=EXACT)
+
+
+# --- a stage: Σ resident + max transient + reserve; micro-batches in flight (Narayanan et al. 2021) ---------------
+
+def test_stage_memory_is_the_sum_of_resident_bytes_plus_the_largest_transient():
+    mixed = plan(S(dp_shard=8), S(dp_replicate=8), S(dp_shard=8, zero=2), S(dp_shard=8, ac=True), global_batch=16)
+    pred = cost_model().estimate(mixed)
+    # b = 2 everywhere (dp = 8), 200 tokens per micro-batch:
+    #   embed ZeRO-3   2·0.8M/8·(1+1+6) = 1.6M   + saved 16·200      =   1,603,200   transient 3.2M
+    #   block DDP      16 · 8M          = 128M   + saved 1000·200    = 128,200,000   transient 0
+    #   block ZeRO-2   16M + 2M + 12M   = 30M    + saved 1000·200    =  30,200,000   transient 16M
+    #   head ZeRO-3 ac 2 · 1.6M         = 3.2M   + kept 200·200      =   3,240,000   transient 6.4M + 500·200
+    (stage,) = pred.stages
+    assert stage.memory.transient == pytest.approx(16_000_000, rel=EXACT)
+    assert stage.memory.total == pytest.approx(163_243_200 + 16_000_000, rel=EXACT)
+    assert pred.memory_bytes == pytest.approx(179_243_200, rel=EXACT)
+    assert stage.memory.params == pytest.approx(200_000 + 16_000_000 + 16_000_000 + 400_000, rel=EXACT)
+
+
+def test_the_reserve_is_added_to_every_stage_once():
+    pred = cost_model(options=CostOptions(reserve_bytes=12_345)).estimate(plan(S(dp_shard=8), global_batch=16))
+    # ZeRO-3 on all four layers, b = 2: states 2 bytes/param = 1.6M + 16M + 16M + 3.2M, saved 3,200 + 2·200,000 +
+    # 100,000, largest transient the blocks' 2·2P = 32M, plus the reserve
+    assert pred.memory_bytes == pytest.approx(36_800_000 + 503_200 + 32_000_000 + 12_345, rel=EXACT)
+    two_stages = cost_model(options=CostOptions(reserve_bytes=12_345)).estimate(
+        plan(S(dp_shard=4), pp=2, global_batch=16))
+    assert [s.memory.reserve for s in two_stages.stages] == [12_345, 12_345]
+
+
+def test_the_default_reserve_is_one_gib_on_a_gpu_and_nothing_on_the_cpu():
+    gpu = cost_model(options=CostOptions()).estimate(plan(S(dp_shard=8), global_batch=16))
+    cpu = cost_model(options=CostOptions(), device="cpu").estimate(plan(S(dp_shard=8), global_batch=16))
+    assert gpu.stages[0].memory.reserve == GiB
+    assert cpu.stages[0].memory.reserve == 0
+    assert gpu.memory_bytes - cpu.memory_bytes == pytest.approx(GiB, rel=EXACT)
+
+
+def test_1f1b_stage_i_holds_min_of_pp_minus_i_and_m_micro_batches():
+    model = cost_model()
+    pred = model.estimate(plan(S(dp_shard=4), pp=2, microbatches=4, global_batch=16))
+    # 4 devices per stage, dp 4, m 4: b = 1 (100 tokens). Stage 0 = embed + block 0 holds min(2, 4) = 2
+    # micro-batches: 2 · (16 + 1000) · 100; stage 1 = block 1 + head holds min(1, 4) = 1: (1000 + 500) · 100
+    assert [s.in_flight for s in pred.stages] == [2, 1]
+    assert [s.memory.activations for s in pred.stages] == pytest.approx([203_200, 150_000], rel=EXACT)
+
+    one = model.estimate(plan(S(dp_shard=4), pp=2, microbatches=1, global_batch=16))
+    # m = 1 < pp: stage 0 holds min(2, 1) = 1 micro-batch of b = 4: (16 + 1000) · 400
+    assert [s.in_flight for s in one.stages] == [1, 1]
+    assert one.stages[0].memory.activations == pytest.approx(406_400, rel=EXACT)
+
+    four = model.estimate(plan(S(dp_shard=2), pp=4, microbatches=2, global_batch=16))
+    # pp 4, m 2, b = 4: min(4 − i, 2) = 2, 2, 2, 1; one layer per stage: 16·400, 1000·400, 1000·400, 500·400
+    assert [s.in_flight for s in four.stages] == [2, 2, 2, 1]
+    assert [s.memory.activations for s in four.stages] == pytest.approx(
+        [12_800, 800_000, 800_000, 200_000], rel=EXACT)
+
+
+def test_gpipe_holds_all_m_micro_batches_in_every_stage():
+    pred = cost_model().estimate(plan(S(dp_shard=4), pp=2, microbatches=4, schedule="gpipe", global_batch=16))
+    # 4 · (16 + 1000) · 100 and 4 · (1000 + 500) · 100
+    assert [s.in_flight for s in pred.stages] == [4, 4]
+    assert [s.memory.activations for s in pred.stages] == pytest.approx([406_400, 600_000], rel=EXACT)
+
+
+# --- CPU update offload: the optimizer state moves to host memory -------------------------------------------------
+
+def test_offload_moves_that_fraction_of_the_optimizer_state_to_host_memory():
+    model = cost_model()
+    cost = model.layer(1, S(dp_shard=8, offload=0.25), microbatches=1)
+    # ZeRO-3 shard of the fp32 state 12 · 8M / 8 = 12M: a quarter on the host, three quarters on the device
+    assert cost.memory.optimizer == pytest.approx(9_000_000, rel=EXACT)
+    assert cost.host_bytes == pytest.approx(3_000_000, rel=EXACT)
+    assert (cost.memory.params, cost.memory.grads) == pytest.approx((2_000_000, 2_000_000), rel=EXACT)
+
+    pred = model.estimate(plan(S(dp_shard=8, offload=0.25), global_batch=16))
+    # all layers: 12 · (0.8M + 8M + 8M + 1.6M) / 8 = 27.6M of optimizer state per device, a quarter on the host
+    assert pred.stages[0].host_bytes == pytest.approx(6_900_000, rel=EXACT)
+    assert pred.stages[0].memory.optimizer == pytest.approx(20_700_000, rel=EXACT)
+    full = model.estimate(plan(S(dp_shard=8), global_batch=16))
+    assert full.memory_bytes - pred.memory_bytes == pytest.approx(6_900_000, rel=EXACT)
+
+
+def test_a_plan_fits_when_device_memory_and_the_devices_share_of_host_memory_suffice():
+    offloaded = plan(S(dp_shard=8, offload=0.25), global_batch=16)
+    device = cost_model().estimate(offloaded).memory_bytes
+    # host memory is per node and its 8 devices share it: 8 · 6.9M is exactly enough
+    fits = estimate(offloaded, toy(), cluster(8, 8, host_memory=8 * 6_900_000), memory=device, options=NO_RESERVE)
+    assert fits.host_budget_bytes == pytest.approx(6_900_000, rel=EXACT) and fits.fits
+    short_host = estimate(offloaded, toy(), cluster(8, 8, host_memory=8 * 6_900_000 - 8), memory=device,
+                          options=NO_RESERVE)
+    assert not short_host.fits
+    short_device = estimate(offloaded, toy(), cluster(8, 8), memory=device - 1, options=NO_RESERVE)
+    assert short_device.budget_bytes == device - 1 and not short_device.fits
+
+
+# --- time: compute, collectives, offload, re-layout, pipeline -----------------------------------------------------
+
+def test_compute_is_forward_plus_backward_flops_over_the_sustained_rate_plus_a_forward_with_checkpointing():
+    model = cost_model()
+    # b = 2, 200 tokens: forward 1e7 · 200 = 2e9 FLOPs = 2 ms at 1e12 FLOP/s, backward 4 ms
+    assert model.layer(1, S(dp_replicate=8), 1).time.compute == pytest.approx(6e-3, rel=EXACT)
+    assert model.layer(1, S(dp_replicate=8, ac=True), 1).time.compute == pytest.approx(8e-3, rel=EXACT)
+    # TP splits the FLOPs: dp 2, b = 8 (800 tokens), tp 4: (1e7 + 2e7) · 800 / 4 / 1e12 = 6 ms
+    assert model.layer(1, S(dp_replicate=2, tp=4), 1).time.compute == pytest.approx(6e-3, rel=EXACT)
+    half = cost_model(flops_efficiency=0.5)  # sustained = peak × efficiency = 0.5e12
+    assert half.layer(1, S(dp_replicate=8), 1).time.compute == pytest.approx(12e-3, rel=EXACT)
+
+
+def test_pipeline_step_is_the_sum_of_stage_times_plus_m_minus_1_times_the_slowest():
+    model = cost_model(global_batch=4, devices=2)
+    # two devices, one per stage, so no data or tensor parallelism; m = 4, b = 1 (100 tokens)
+    # embed 3e3 FLOPs/token → 0.3 µs; each block 3e7 → 3 ms; head 6e6 → 0.6 ms
+    # stage 0 sends its output forward and its gradient comes back: 2 · 200 · 100 bytes / 1e9 = 40 µs
+    first_light = model.estimate(plan(S(), devices=2, pp=2, microbatches=4, stages=(1, 3), global_batch=4))
+    t0, t1 = 0.3e-6 + 40e-6, 6e-3 + 0.6e-3
+    assert [s.time_per_microbatch for s in first_light.stages] == pytest.approx([t0, t1], rel=EXACT)
+    assert first_light.step_time_s == pytest.approx(t0 + t1 + 3 * t1, rel=EXACT)
+
+    first_heavy = model.estimate(plan(S(), devices=2, pp=2, microbatches=4, stages=(3, 1), global_batch=4))
+    t0, t1 = 0.3e-6 + 6e-3 + 40e-6, 0.6e-3
+    assert first_heavy.step_time_s == pytest.approx(t0 + t1 + 3 * t0, rel=EXACT)
+    # the breakdown adds up to the step, and throughput and MFU follow from it
+    assert first_heavy.time.total == pytest.approx(first_heavy.step_time_s, rel=EXACT)
+    assert first_heavy.tokens_per_s == pytest.approx(400 / first_heavy.step_time_s, rel=EXACT)
+    flops = (3e3 + 2 * 3e7 + 6e6) * 400  # model FLOPs of the step, without recompute
+    assert first_heavy.mfu == pytest.approx(flops / (first_heavy.step_time_s * 2 * 1e12), rel=EXACT)
+
+
+def test_a_plan_of_one_layout_pays_no_relayout_and_a_layout_change_moves_the_hidden_state_both_ways():
+    model = cost_model()
+    one_layout = plan(S(dp_shard=8), S(dp_replicate=8), S(dp_shard=8, zero=2), S(dp_shard=8, ac=True, offload=1.0),
+                      global_batch=16)
+    assert model.estimate(one_layout).time.relayout == 0
+    changed = plan(S(dp_shard=8), S(dp_shard=8), S(dp_replicate=2, tp=4), S(dp_replicate=2, tp=4), global_batch=16)
+    # entering layer 2: block 0's output, 200 bytes/token; (dp 8, tp 1) holds b = 2 → 40,000 bytes per device,
+    # (dp 2, tp 4) holds b = 8 / tp 4 → 40,000. Forward and backward: 2 · 40,000 / 1e9, once (pp 1, m 1)
+    assert model.estimate(changed).time.relayout == pytest.approx(80e-6, rel=EXACT)
+
+
+def test_tensor_parallel_pays_two_all_gathers_and_two_reduce_scatters_per_block_and_pass():
+    model = cost_model()
+    # dp 2, b = 8: the hidden state entering block 0 is 200 · 800 = 160 KB; ring over tp 4: 3/4 · 160e3 / 1e9
+    ring = 0.75 * 160_000 / 1e9
+    assert model.layer(1, S(dp_replicate=2, tp=4), 1).time.tp_comm == pytest.approx(2 * 4 * ring, rel=EXACT)
+    # checkpointing runs the forward, with its collectives, a second time
+    assert model.layer(1, S(dp_replicate=2, tp=4, ac=True), 1).time.tp_comm == pytest.approx(3 * 4 * ring,
+                                                                                             rel=EXACT)
+    # embeddings (its own output) and head (block 1's output, also 160 KB): one collective each way
+    assert model.layer(0, S(dp_replicate=2, tp=4), 1).time.tp_comm == pytest.approx(2 * ring, rel=EXACT)
+    assert model.layer(3, S(dp_replicate=2, tp=4), 1).time.tp_comm == pytest.approx(2 * ring, rel=EXACT)
+    assert model.layer(1, S(dp_replicate=8), 1).time.tp_comm == 0
+
+
+def test_ddp_all_reduce_of_fp32_gradients_shows_only_its_excess_over_backward():
+    model = cost_model()
+    # 8M fp32 gradients = 32 MB; all-reduce over 8: 2 · 7/8 · 32e6 / 1e9 = 56 ms, × 1.3 contention = 72.8 ms;
+    # the backward it overlaps: 2e7 · 200 tokens / 1e12 = 4 ms
+    assert model.layer(1, S(dp_replicate=8), 1).time.dp_comm == pytest.approx(0.0728 - 0.004, rel=EXACT)
+    # m = 2: the sync runs once per step, against one micro-batch's backward (2 ms), spread over the 2
+    two = model.layer(1, S(dp_replicate=8), 2).time.dp_comm
+    assert two == pytest.approx((0.0728 - 0.002) / 2, rel=EXACT)
+    # across nodes (4 per node) the ring runs at the inter-node 0.1 GB/s
+    inter = cost_model(devices_per_node=4, inter_node_bandwidth=1e8)
+    assert inter.layer(1, S(dp_replicate=8), 1).time.dp_comm == pytest.approx(0.728 - 0.004, rel=EXACT)
+
+
+def test_zero_gradient_sync_is_a_reduce_scatter_plus_for_zero2_a_gather_of_the_updated_shard():
+    model = cost_model()
+    rs = 7 / 8 * 32e6 / 1e9  # reduce-scatter of 32 MB of fp32 gradients over 8: 28 ms
+    ag = 7 / 8 * 16e6 / 1e9  # all-gather of 16 MB of bf16 parameters over 8: 14 ms
+    assert model.layer(1, S(dp_shard=8, zero=2), 1).time.dp_comm == pytest.approx((rs + ag) * 1.3 - 4e-3, rel=EXACT)
+    zero3 = model.layer(1, S(dp_shard=8), 1).time
+    assert zero3.dp_comm == pytest.approx(rs * 1.3 - 4e-3, rel=EXACT)
+    # ZeRO-3 gathers the parameters in forward and again in backward; only the excess over compute (6 ms) shows
+    assert zero3.zero3_comm == pytest.approx(2 * ag * 1.3 - 6e-3, rel=EXACT)
+    # HSDP: reduce-scatter over dp_shard 4, all-reduce of the 8 MB shard over dp_replicate 2
+    hsdp = 0.75 * 32e6 / 1e9 + 2 * 0.5 * 8e6 / 1e9
+    assert model.layer(1, S(dp_replicate=2, dp_shard=4), 1).time.dp_comm == pytest.approx(hsdp * 1.3 - 4e-3,
+                                                                                          rel=EXACT)
+    fast = cost_model(intra_node_bandwidth=1e15)  # the collectives hide entirely under compute
+    assert fast.layer(1, S(dp_shard=8), 1).time.zero3_comm == 0
+    assert fast.layer(1, S(dp_shard=8), 1).time.dp_comm == 0
+
+
+def test_offloaded_update_overlaps_backward_in_cotrain_and_is_serial_in_zero_offload():
+    # ZeRO-3 shard of 8M / 8 = 1M params on the CPU: AdamW at 8e9 / 8 devices = 1e9 params/s → 1 ms;
+    # PCIe: 1M · (4 bytes of fp32 grad down + 2 bytes of bf16 param up) / 1e9 = 6 ms; backward 4 ms
+    overlapped = cost_model().layer(1, S(dp_shard=8, offload=1.0), 1).time.offload
+    serial = cost_model(options=CostOptions(reserve_bytes=0, offload_overlap=False)).layer(
+        1, S(dp_shard=8, offload=1.0), 1).time.offload
+    assert overlapped == pytest.approx(max(1e-3, 6e-3) - 4e-3, rel=EXACT)
+    assert serial == pytest.approx(1e-3 + 6e-3, rel=EXACT)
+
+
+def test_the_zero_offload_schedule_is_never_faster_than_the_overlapped_one():
+    overlapped = cost_model()
+    serial = cost_model(options=CostOptions(reserve_bytes=0, offload_overlap=False))
+    checked = 0
+    for pp, m in itertools.product((1, 2), (1, 2, 4)):
+        for s in strategy_space(8 // pp, devices_per_node=8, offload_levels=(0.0, 0.25, 1.0), max_dp=16 // m):
+            p = plan(s, pp=pp, microbatches=m, global_batch=16)
+            fast, slow = overlapped.estimate(p).step_time_s, serial.estimate(p).step_time_s
+            assert slow >= fast * (1 - EXACT), str(p)
+            if s.offload == 0:
+                assert slow == pytest.approx(fast, rel=EXACT), str(p)
+            checked += 1
+    assert checked > 100
+
+
+def test_a_pipeline_send_between_stages_on_different_nodes_runs_at_the_inter_node_bandwidth():
+    # 8 devices, 4 per node, pp = 4: stage i runs on devices 2i, 2i+1 (pp is the outermost mesh axis). Stages 0→1
+    # and 2→3 talk inside a node, stage 1 (devices 2, 3) sends to stage 2 (devices 4, 5) across nodes.
+    model = cost_model(global_batch=2, devices_per_node=4, inter_node_bandwidth=1e8)
+    p = plan(S(dp_replicate=2), pp=4, global_batch=2)
+    # b = 1: each block sends 200 · 100 bytes forward and receives as much back
+    times = [model.stage(p, i, i, i + 1)[1].pp_comm for i in range(3)]
+    assert times == pytest.approx([2 * 20_000 / 1e9, 2 * 20_000 / 1e8, 2 * 20_000 / 1e9], rel=EXACT)
+
+
+# --- estimate() rejects plans it cannot take, showing the arithmetic ----------------------------------------------
+
+def test_a_plan_for_another_device_count_is_rejected():
+    with pytest.raises(InvalidPlanError, match="the plan is for 4 devices but the cluster has 8"):
+        cost_model().estimate(plan(S(dp_shard=4), devices=4, global_batch=16))
+
+
+def test_a_plan_for_another_layer_count_is_rejected():
+    short = Plan(num_devices=8, layers=(S(dp_shard=8),) * 3, global_batch=16)
+    with pytest.raises(InvalidPlanError, match="the plan has 3 layers but toy has 4"):
+        cost_model().estimate(short)
+
+
+def test_tensor_parallel_degree_must_divide_the_attention_heads():
+    model = cost_model(prof=toy(n_head=12, n_kv_head=6))
+    with pytest.raises(InvalidPlanError, match=re.escape("layer 0: tp=4 does not divide the 6 attention heads")):
+        model.estimate(plan(S(dp_replicate=2, tp=4), global_batch=16))
+    model.estimate(plan(S(dp_replicate=4, tp=2), global_batch=16))  # 2 divides 6
+
+
+def test_global_batch_must_be_divisible_by_microbatches_times_dp():
+    with pytest.raises(InvalidPlanError, match=re.escape(
+            "global batch 12 is not divisible by microbatches × dp = 2 × 8 = 16")):
+        estimate(plan(S(dp_shard=8), microbatches=2), toy(), cluster(), global_batch=12, options=NO_RESERVE)
+    with pytest.raises(InvalidPlanError, match="estimate needs the global batch"):
+        estimate(plan(S(dp_shard=8)), toy(), cluster())
+
+
+def test_the_per_token_fixture_is_what_the_numbers_above_assume():
+    # guards the hand arithmetic: 1000·b·s at b = 2, s = 100
+    assert per_token(1_000)(2, 100) == 200_000
+    assert toy().layers[1].scaling["flops_fwd"](1, 100) == 1e9

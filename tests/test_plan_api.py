@@ -1,0 +1,127 @@
+"""nbtrain.plan: a recommendation that fits, is never slower than the baselines users know, and shows itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import nbtrain
+from nbtrain.cli import main
+from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
+from nbtrain.planner.cost import Prediction
+from nbtrain.planner.recommend import baselines
+from nbtrain.planner.report import comparison_table
+from nbtrain.planner.strategy import Plan
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama7b():
+    return nbtrain.profile("llama-7b", batch_size=1, seq_len=2048)
+
+
+def h100s(n=8, memory="80GiB"):
+    return nbtrain.Cluster.from_catalog("H100", num_devices=n, device_memory=memory)
+
+
+@pytest.mark.parametrize("budget", [16, 24, 36, 48])
+def test_recommended_plan_fits_and_is_never_slower_than_a_uniform_baseline_that_fits(llama7b, budget):
+    cluster = h100s(memory=f"{budget}GiB")
+    best = nbtrain.plan(llama7b, cluster, global_batch=64, seq_len=2048)
+    assert best.predicted.fits and best.predicted.memory_bytes <= budget * GiB
+    known = baselines(llama7b, cluster, global_batch=64, seq_len=2048)
+    assert {b.name for b in known} >= {"DDP", "FSDP (ZeRO-3)", "ZeRO-Offload"}
+    for baseline in known:
+        if baseline.fits:
+            assert best.predicted.step_time_s <= baseline.plan.predicted.step_time_s * (1 + 1e-12), baseline.name
+
+
+def test_alternatives_are_slower_or_equal_and_all_fit(llama7b):
+    best = nbtrain.plan(llama7b, h100s(memory="24GiB"), global_batch=64, seq_len=2048, top=3)
+    assert len(best.alternatives) == 2
+    times = [best.predicted.step_time_s] + [alt.predicted.step_time_s for alt in best.alternatives]
+    assert times == sorted(times)
+    assert all(alt.predicted.fits for alt in best.alternatives)
+
+
+def test_more_memory_never_makes_the_recommendation_slower(llama7b):
+    times = [nbtrain.plan(llama7b, h100s(memory=f"{m}GiB"), global_batch=64, seq_len=2048).predicted.step_time_s
+             for m in (16, 24, 36, 48)]
+    assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(times, times[1:]))
+
+
+def test_a_typed_strategy_is_evaluated_not_searched(llama7b):
+    typed = nbtrain.plan(llama7b, h100s(), global_batch=64, seq_len=2048, strategy="pp=2 mb=8 | dp_shard=2 tp=2 ac")
+    assert str(typed) == "pp=2 mb=8 schedule=1f1b | dp_shard=2 tp=2 ac"
+    assert typed.predicted.step_time_s > 0 and len(typed.predicted.stages) == 2
+    same = nbtrain.estimate(typed, llama7b, h100s())
+    assert same.step_time_s == typed.predicted.step_time_s
+
+
+def test_plan_with_prediction_round_trips_through_json(llama7b):
+    best = nbtrain.plan(llama7b, h100s(memory="24GiB"), global_batch=64, seq_len=2048)
+    again = Plan.from_json(best.to_json(), prediction_type=Prediction.from_dict)
+    assert again == best
+    assert again.predicted.step_time_s == best.predicted.step_time_s
+    assert again.alternatives[0].predicted.memory_bytes == best.alternatives[0].predicted.memory_bytes
+
+
+def test_nothing_fits_names_the_memory_the_leanest_plan_needs(llama7b):
+    with pytest.raises(NoFeasiblePlanError, match=r"no plan fits 1.00 GiB per device .* needs [0-9.]+ GiB"):
+        nbtrain.plan(llama7b, h100s(memory="1GiB"), global_batch=64, seq_len=2048)
+
+
+def test_a_tp_degree_that_does_not_divide_the_heads_is_refused(llama7b):
+    profile = nbtrain.profile("gpt2", batch_size=1, seq_len=512)  # 12 heads
+    with pytest.raises(InvalidPlanError, match="tp=8 does not divide the 12 attention heads"):
+        nbtrain.plan(profile, h100s(), global_batch=16, seq_len=512, strategy="tp=8")
+
+
+def test_searched_plans_never_use_a_tp_that_does_not_divide_the_heads():
+    profile = nbtrain.profile("gpt2", batch_size=1, seq_len=512)  # 12 heads: tp ∈ {1, 2, 4}
+    best = nbtrain.plan(profile, h100s(memory="4GiB"), global_batch=8, seq_len=512, top=3)
+    for p in (best, *best.alternatives):
+        assert all(12 % s.tp == 0 for s in p.layers)
+
+
+def test_table_has_a_row_per_stage_and_the_summary_says_fits_and_time(llama7b):
+    typed = nbtrain.plan(llama7b, h100s(), global_batch=64, seq_len=2048, strategy="pp=4 mb=16 | dp_shard=2")
+    text = str(typed.table())
+    assert all(f"\n{i}  " in text for i in range(4))
+    summary = typed.summary()
+    assert summary.startswith("recommended: pp=4") and "fits" in summary and "/step" in summary
+    assert typed._repr_html_().startswith("<table>")
+    comparison = str(comparison_table(typed, baselines(llama7b, h100s(), global_batch=64, seq_len=2048)))
+    assert "FSDP (ZeRO-3)" in comparison and "speed-up" in comparison
+
+
+# -- the command -----------------------------------------------------------------------------------------------
+
+def test_plan_json_has_the_documented_fields(capsys):
+    assert main(["plan", "gpt-tiny", "--gpus", "4", "--batch", "8", "--seq", "128", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"pp", "microbatches", "schedule", "stages", "layers", "predicted", "alternatives", "baselines"} <= set(data)
+    assert data["predicted"]["step_time_s"] > 0 and data["predicted"]["memory_bytes"] > 0
+    assert all("memory" in stage for stage in data["predicted"]["stages"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "dp_shard=3"], "does not divide the 8 devices"),
+    (["--strategy", "tp=x"], "'tp=x'"),
+    (["--strategy", "dp_shard=4 tp=4"], "= 16"),
+    (["--memory", "64MiB"], "no plan fits 64.00 MiB per device"),
+    (["--memory", "lots"], "cannot read 'lots' as a size"),
+])
+def test_plan_command_errors_are_one_line_with_status_2(capsys, args, message):
+    assert main(["plan", "gpt-tiny", "--gpus", "8", "--batch", "16", "--seq", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nbtrain: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_command_rejects_zero_gpus(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "gpt-tiny", "--gpus", "0", "--batch", "8"])
+    assert exit_info.value.code == 2
+    assert "--gpus: must be a positive integer, got 0" in capsys.readouterr().err
