@@ -200,8 +200,8 @@ class CostModel:
 
     # -- profile lookups -------------------------------------------------------------------------------------
     def _evaluate(self, layer: int, quantity: str, batch: float) -> float:
-        """A profiled quantity of ``layer`` at ``batch`` sequences (may be fractional: per-device shares)."""
-        return self.profile.layers[layer].scaling[quantity](1, self.seq_len) * batch if batch else 0.0
+        """A profiled quantity of ``layer`` at ``batch`` sequences of the plan's length."""
+        return float(self.profile.layers[layer].scaling[quantity](batch, self.seq_len)) if batch else 0.0
 
     def _hidden(self, layer: int, batch: float) -> float:
         """Bytes of the hidden state entering ``layer`` (what TP collectives and re-layouts move)."""
