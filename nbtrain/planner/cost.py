@@ -276,10 +276,16 @@ class CostModel:
         nbytes = max(self._hidden(index, self.micro_batch(s, microbatches)) / s.tp for s in (before, after))
         return 2 * nbytes / self._bandwidth(before.devices)
 
-    def p2p(self, last_layer: int, s: Strategy, microbatches: int, pp: int) -> float:
-        """Seconds per micro-batch a stage ending at ``last_layer`` spends sending activations / receiving grads."""
+    def p2p(self, last_layer: int, s: Strategy, microbatches: int, pp: int, stage: int) -> float:
+        """Seconds per micro-batch that ``stage`` (ending at ``last_layer``) spends sending its output forward and
+        receiving the gradient back. pp is the outermost mesh axis: stage i runs on devices [i·D, (i+1)·D), so its
+        next stage is in another node unless both sit inside one."""
         nbytes = self._eval(last_layer, "output_bytes", self.micro_batch(s, microbatches)) / s.tp
-        return 2 * nbytes / self._bandwidth(self.cluster.num_devices // pp * 2)
+        per_stage, node = self.cluster.num_devices // pp, self.cluster.devices_per_node
+        boundary = (stage + 1) * per_stage  # first device of the next stage
+        same_node = per_stage < node and boundary % node != 0
+        c = self.cluster
+        return 2 * nbytes / (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth)
 
     def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:
         return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
@@ -296,7 +302,7 @@ class CostModel:
             if j > start:
                 time = time + Time(relayout=self.relayout(j, plan.layers[j - 1], plan.layers[j], plan.microbatches))
         if i < plan.pp - 1:
-            time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp))
+            time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp, i))
         host = sum(cost.host_bytes for cost in costs)
         return StagePrediction(start, end, k, memory, time.total, host), time
 

@@ -71,9 +71,11 @@ class _Solver:
         layouts = [task.space[list(task.layout_of).index(c)] for c in range(len(task.layouts))]
         self.relayout = {k: np.array([[model.relayout(i, a, b, m) for b in layouts] for a in layouts])
                          for k, i in reps.items()}
-        self.p2p = {k: np.array([model.p2p(i, s, m, task.pp) for s in layouts]) for k, i in reps.items()}
+        self.p2p = {k: np.array([[model.p2p(i, s, m, task.pp, stage) for s in layouts] for stage in range(task.pp)])
+                    for k, i in reps.items()}
         self.time = {k: np.array([c.time.total for c in v]) for k, v in self.costs.items()}
         self.transient = {k: np.array([c.transient for c in v]) for k, v in self.costs.items()}
+        self.allowed = self._host_fits()
         self.useful = {k: self._undominated(k) for k in self.costs}
         self.lower_bound = self._lower_bound()
         self._cache: dict = {}
@@ -94,6 +96,23 @@ class _Solver:
         per_microbatch = max(float(bound.max()), 0.0)
         return per_microbatch * (1 + (self.task.microbatches - 1) / self.task.pp)
 
+    def _host_fits(self) -> np.ndarray:
+        """Strategies whose offload level fits the host memory even in the worst case.
+
+        Offloaded optimizer state adds up over a stage's layers in host memory. Rather than carry host memory as a
+        third resource through the frontier, an offload level is searched only when every layer offloading at that
+        level with its most host-hungry strategy still fits: exact whenever the host is not the limit (hosts have
+        far more memory than devices), and never a plan over the host's memory when it is.
+        """
+        levels = np.array([s.offload for s in self.task.space])
+        host = {k: np.array([c.host_bytes for c in v]) for k, v in self.costs.items()}
+        allowed = np.ones(len(levels), dtype=bool)
+        for level in set(levels.tolist()) - {0.0}:
+            worst = sum(float(host[k][levels == level].max()) for k in self.kind)
+            if worst > self.model.host_budget:
+                allowed &= levels != level
+        return allowed
+
     def _undominated(self, kind: int) -> np.ndarray:
         """Strategies of a layer kind that no other strategy of the same layout beats in every cost (resident
         memory, activations, transient, time); removing the others cannot change the optimum."""
@@ -101,8 +120,8 @@ class _Solver:
         crit = np.array([[c.memory.total - c.activations, c.activations, c.transient, c.time.total] for c in costs])
         lay = self.task.layout_of
         keep = []
-        for j in range(len(costs)):
-            no_worse = (lay == lay[j]) & np.all(crit <= crit[j], axis=1)
+        for j in np.flatnonzero(self.allowed):
+            no_worse = self.allowed & (lay == lay[j]) & np.all(crit <= crit[j], axis=1)
             better = np.any(crit < crit[j], axis=1) | (np.arange(len(costs)) < j)  # ties: keep the first
             if not np.any(no_worse & better):
                 keep.append(j)
@@ -130,12 +149,14 @@ class _Solver:
         self._cache[key] = result
         return result
 
-    def stage_best(self, start: int, end: int, in_flight: int, last: bool) -> tuple[float, int]:
-        """(time per micro-batch, point index) of the fastest fitting plan for the stage, or (inf, -1)."""
-        f = self.frontier(start, end, in_flight)
+    def stage_best(self, start: int, end: int, stage: int) -> tuple[float, int]:
+        """(time per micro-batch, point index) of the fastest fitting plan for ``stage`` over layers
+        ``[start, end)``, or (inf, -1)."""
+        f = self.frontier(start, end, self.in_flight(stage))
         if len(f) == 0 or f.previous is None:
             return np.inf, -1
-        t = f.time + (0.0 if last else self.p2p[self.kind[end - 1]][f.layout])
+        last = stage == self.task.pp - 1
+        t = f.time + (0.0 if last else self.p2p[self.kind[end - 1]][stage][f.layout])
         i = int(np.argmin(t))
         return float(t[i]), i
 
@@ -148,11 +169,10 @@ class _Solver:
         # T[i][a][e]: best time of stage i over layers [a, e)
         T = np.full((pp, n + 1, n + 1), np.inf)
         for i in range(pp):
-            k, last = self.in_flight(i), i == pp - 1
             for a in ([0] if i == 0 else range(i, n - (pp - 1 - i))):
-                ends = [n] if last else range(a + 1, n - (pp - 2 - i))
+                ends = [n] if i == pp - 1 else range(a + 1, n - (pp - 2 - i))
                 for e in ends:
-                    T[i, a, e] = self.stage_best(a, e, k, last)[0]
+                    T[i, a, e] = self.stage_best(a, e, i)[0]
         taus = np.unique(T[np.isfinite(T)])
         if len(taus) == 0:
             return None
@@ -175,7 +195,7 @@ class _Solver:
         ranges = list(zip(bounds[::-1][:-1], bounds[::-1][1:]))
         chosen: list[int] = []
         for i, (a, e) in enumerate(ranges):
-            _, point = self.stage_best(a, e, self.in_flight(i), i == pp - 1)
+            _, point = self.stage_best(a, e, i)
             chosen += self.frontier(a, e, self.in_flight(i)).strategies(point)
         return float(objective[j]), ranges, chosen
 
@@ -230,7 +250,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
         if solved is None:
             continue
         _, ranges, chosen = solved
-        chosen = _tidy(chosen, task, kinds)
+        chosen = _tidy(chosen, task, kinds, ranges)
         plan = Plan(num_devices=cluster.num_devices, layers=tuple(task.space[j] for j in chosen), pp=task.pp,
                     microbatches=task.microbatches, schedule=task.schedule,
                     stages=tuple(e - a for a, e in ranges), global_batch=global_batch,
@@ -253,18 +273,20 @@ def _layer_kinds(profile: ModelProfile) -> list[int]:
     return [ids.setdefault(signature(i), len(ids)) for i in range(len(profile.layers))]
 
 
-def _tidy(chosen: list[int], task: _Task, kinds: list[int]) -> list[int]:
-    """Group equal strategies inside runs of identical layers that share a layout.
+def _tidy(chosen: list[int], task: _Task, kinds: list[int], ranges: list[tuple[int, int]]) -> list[int]:
+    """Group equal strategies inside runs of identical layers of one stage that share a layout.
 
-    Such layers cost the same whatever their order (no re-layout between them), so the search may return them
-    interleaved (``ac`` on every other block); sorting them changes no cost and gives ranges a person can read.
+    Such layers cost the same whatever their order (no re-layout between them, the same micro-batches in
+    flight), so the search may return them interleaved (``ac`` on every other block); sorting them changes no
+    cost and gives ranges a person can read.
     """
     out = list(chosen)
-    start = 0
-    for i in range(1, len(out) + 1):
-        same = i < len(out) and kinds[i] == kinds[start] and \
-            task.space[out[i]].layout == task.space[out[start]].layout
-        if not same:
-            out[start:i] = sorted(out[start:i])
-            start = i
+    for first, end in ranges:
+        start = first
+        for i in range(first + 1, end + 1):
+            same = i < end and kinds[i] == kinds[start] and \
+                task.space[out[i]].layout == task.space[out[start]].layout
+            if not same:
+                out[start:i] = sorted(out[start:i])
+                start = i
     return out
