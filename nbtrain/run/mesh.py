@@ -1,0 +1,70 @@
+"""Device meshes for a plan: one world mesh ``pp × dp_replicate × dp_shard × tp`` (tp innermost), named views.
+
+    >>> meshes = PlanMeshes(plan)                # in every worker, after the process group exists
+    >>> mesh = meshes.for_layer(5)               # the (dp_replicate, dp_shard, tp) mesh of layer 5's stage
+    >>> mesh["tp"], mesh["dp_shard"], meshes.dp_rank(5)
+
+Layers may choose different degrees (``dp_shard=4`` here, ``dp_shard=2 tp=2`` there) over the same devices of a
+stage, so each distinct layout gets its own world mesh ``(pp, dp_replicate, dp_shard, tp)``. Creating a mesh is
+collective (every rank creates every process group), so all of them are built up front, in the plan's layer order,
+by every rank; a layer then uses its stage's slice. The device type is chosen at start: CUDA (NCCL) where present,
+the CPU (gloo) otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from nbtrain.errors import InvalidPlanError
+from nbtrain.planner.strategy import Plan, Strategy
+
+AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+def device_type() -> str:
+    """``cuda`` when this process has a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class PlanMeshes:
+    """The meshes a plan needs in this process: one per (stage, layout), over the stage's ranks."""
+
+    def __init__(self, plan: Plan):
+        world = dist.get_world_size()
+        if world != plan.num_devices:
+            raise InvalidPlanError(
+                f"the plan is for {plan.num_devices} devices but {world} processes were launched; launch "
+                f"{plan.num_devices} processes, or scale the plan to {world} devices")
+        self.plan = plan
+        self.rank = dist.get_rank()
+        self.stage = self.rank // plan.devices_per_stage
+        self._worlds: dict[tuple[int, int, int], DeviceMesh] = {}
+        for s in plan.layers:  # the same order on every rank: mesh creation is collective
+            shape = (s.dp_replicate, s.dp_shard, s.tp)
+            if shape not in self._worlds:
+                self._worlds[shape] = init_device_mesh(device_type(), (plan.pp, *shape),
+                                                       mesh_dim_names=("pp", *AXES))
+
+    def stage_ranks(self, stage: int | None = None) -> list[int]:
+        stage = self.stage if stage is None else stage
+        per = self.plan.devices_per_stage
+        return list(range(stage * per, (stage + 1) * per))
+
+    def pp_mesh(self) -> DeviceMesh:
+        """The pipeline axis through this rank (same position in every stage)."""
+        return next(iter(self._worlds.values()))["pp"]
+
+    def for_strategy(self, s: Strategy) -> DeviceMesh:
+        """The mesh ``(dp_replicate, dp_shard, tp)`` of this process's stage, for a layer of strategy ``s``."""
+        return self._worlds[(s.dp_replicate, s.dp_shard, s.tp)][AXES]
+
+    def for_layer(self, index: int) -> DeviceMesh:
+        return self.for_strategy(self.plan.layers[index])
+
+    def dp_rank(self, index: int) -> int:
+        """Which slice of the batch this process holds at layer ``index``: its data-parallel coordinate."""
+        s = self.plan.layers[index]
+        mesh = self.for_strategy(s)
+        return mesh.get_local_rank("dp_replicate") * s.dp_shard + mesh.get_local_rank("dp_shard")

@@ -1,0 +1,105 @@
+"""Run a few plans in real gloo worker processes and in one process, on the same seed and data.
+
+Workers are spawned (not forked) so the test process's threads cannot deadlock them, and each runs several plans
+in one process group, so the ~5 s of ``import torch`` per process is paid once per group of tests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nbtrain.models import GPT, GPTConfig
+from nbtrain.planner.strategy import Plan
+from nbtrain.profiler.model import lm_loss
+
+GPT_TINY = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, tie_embeddings=False)
+LLAMA_TINY = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                       norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False)
+BATCH, SEQ, STEPS = 4, 16, 5
+
+
+def batches(config: GPTConfig, steps: int = STEPS):
+    """Two fixed batches in turn: the model can learn them, so the losses move and a wrong gradient shows."""
+    g = torch.Generator().manual_seed(1234)
+    fixed = [torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(2)]
+    for step in range(steps):
+        ids = fixed[step % 2]
+        yield ids, torch.roll(ids, -1, dims=1)
+
+
+def train(model, config, slice_of=lambda t: t, reduce=lambda loss: loss):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for ids, targets in batches(config):
+        loss = lm_loss(model(slice_of(ids)), slice_of(targets))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(reduce(loss.detach()).item())
+    return losses
+
+
+def reference_losses(config: GPTConfig) -> list[float]:
+    torch.manual_seed(0)
+    return train(GPT(config), config)
+
+
+def _worker(rank, world, port, config, plans, queue):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from nbtrain.run.mesh import PlanMeshes
+        from nbtrain.run.parallelize import parallelize
+
+        results = {}
+        for text in plans:
+            torch.manual_seed(0)
+            model = GPT(config)
+            plan = Plan.parse(text, num_devices=world, num_layers=config.n_layer + 2, global_batch=BATCH, seq_len=SEQ)
+            meshes = PlanMeshes(plan)
+            parallelize(model, plan, meshes)
+            dp, share = meshes.dp_rank(1), BATCH // plan.layers[1].dp
+
+            def reduce(loss):  # every rank of a data-parallel slice holds that slice's loss: average them all
+                dist.all_reduce(loss)
+                return loss / world
+
+            results[text] = train(model, config, lambda t: t[dp * share:(dp + 1) * share], reduce)
+        queue.put((rank, "ok", results))
+        dist.barrier()
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def distributed_losses(config: GPTConfig, plans: list[str], world: int, timeout: float = 300) -> dict:
+    """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, config, plans, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        answers = [queue.get(timeout=timeout) for _ in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [payload for _, status, payload in answers if status == "error"]
+    if errors:
+        raise AssertionError("a worker failed:\n" + errors[0])
+    return next(payload for rank, _, payload in answers if rank == 0)
