@@ -33,30 +33,32 @@ def batches(config: GPTConfig, steps: int = STEPS):
         yield ids, torch.roll(ids, -1, dims=1)
 
 
-def train(model, config, slice_of=lambda t: t, reduce=lambda loss: loss):
+def reference_losses(config: GPTConfig, clip_norm: float | None = None) -> list[float]:
+    """One process, the whole batch, plain PyTorch."""
+    torch.manual_seed(0)
+    model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for ids, targets in batches(config):
-        loss = lm_loss(model(slice_of(ids)), slice_of(targets))
+        loss = lm_loss(model(ids), targets)
         loss.backward()
+        if clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(reduce(loss.detach()).item())
+        losses.append(loss.item())
     return losses
 
 
-def reference_losses(config: GPTConfig) -> list[float]:
-    torch.manual_seed(0)
-    return train(GPT(config), config)
-
-
-def _worker(rank, world, port, config, plans, queue):
+def _worker(rank, world, port, config, plans, clip_norm, queue):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from nbtrain.run.mesh import PlanMeshes
         from nbtrain.run.parallelize import parallelize
+
+        from nbtrain.run.trainer import Trainer
 
         results = {}
         for text in plans:
@@ -65,13 +67,9 @@ def _worker(rank, world, port, config, plans, queue):
             plan = Plan.parse(text, num_devices=world, num_layers=config.n_layer + 2, global_batch=BATCH, seq_len=SEQ)
             meshes = PlanMeshes(plan)
             parallelize(model, plan, meshes)
-            dp, share = meshes.dp_rank(1), BATCH // plan.layers[1].dp
-
-            def reduce(loss):  # every rank of a data-parallel slice holds that slice's loss: average them all
-                dist.all_reduce(loss)
-                return loss / world
-
-            results[text] = train(model, config, lambda t: t[dp * share:(dp + 1) * share], reduce)
+            trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                              clip_norm=clip_norm)
+            results[text] = [trainer.step(ids, targets).loss for ids, targets in batches(config)]
         queue.put((rank, "ok", results))
         dist.barrier()
     except Exception:
@@ -81,14 +79,15 @@ def _worker(rank, world, port, config, plans, queue):
             dist.destroy_process_group()
 
 
-def distributed_losses(config: GPTConfig, plans: list[str], world: int, timeout: float = 300) -> dict:
+def distributed_losses(config: GPTConfig, plans: list[str], world: int, clip_norm: float | None = None,
+                       timeout: float = 300) -> dict:
     """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, config, plans, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, config, plans, clip_norm, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -10,7 +10,7 @@ import pytest
 from tests.distributed_fixtures import GPT_TINY, LLAMA_TINY, distributed_losses, reference_losses
 
 TWO = ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2", "dp_shard=2 ac", "tp=2", "tp=2 ac",
-       "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2"]
+       "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2", "mb=2 | dp_shard=2", "mb=4 | tp=2"]
 FOUR = ["dp_shard=2 tp=2", "dp_replicate=2 dp_shard=2", "dp_replicate=2 tp=2 ac"]
 
 
@@ -27,3 +27,13 @@ def test_plan_trains_with_the_losses_of_one_process(runs, world, plan):
     reference, got = runs["reference"], runs[world][plan]
     assert got == pytest.approx(reference, rel=1e-4), f"{plan} on {world} processes"
     assert reference[-1] < reference[0]  # it did train
+
+
+@pytest.mark.slow
+def test_micro_batches_and_gradient_clipping_match_one_process_that_clips():
+    # a clip norm well under the gradients' norm, so that clipping acts on every step
+    reference = reference_losses(GPT_TINY, clip_norm=0.05)
+    got = distributed_losses(GPT_TINY, ["mb=2 | dp_shard=2", "dp_replicate=2", "tp=2"], world=2, clip_norm=0.05)
+    for plan, losses in got.items():
+        assert losses == pytest.approx(reference, rel=1e-4), plan
+    assert reference != pytest.approx(reference_losses(GPT_TINY), rel=1e-3)  # clipping changed the training

@@ -1,0 +1,119 @@
+"""The step loop of a parallelized model: data by data-parallel rank, micro-batches, clipping, records.
+
+    >>> trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=3e-4), clip_norm=1.0)
+    >>> for ids, targets in batches:             # each a global batch: (global_batch, seq_len)
+    ...     record = trainer.step(ids, targets)  # StepRecord: loss (averaged over the whole batch), seconds, ...
+
+A step trains exactly as one process on the whole global batch would: each data-parallel rank takes its rows,
+cuts them into the plan's micro-batches, and accumulates ``loss / microbatches`` (the gradient of the mean over
+its rows); FSDP2 averages the gradients over the data-parallel ranks, which makes the mean over the global batch.
+Gradient clipping uses the norm over every parameter of the model, whatever mesh it is sharded on.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.planner.strategy import Plan
+from nbtrain.profiler.model import lm_loss
+from nbtrain.run.mesh import PlanMeshes
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one training step did, as rank 0 saw it."""
+
+    step: int
+    loss: float
+    """Mean loss over the whole global batch."""
+    seconds: float
+    tokens_per_s: float
+    peak_memory_bytes: int
+    """Peak allocated device memory (CUDA), or this process's peak resident memory on the CPU."""
+    grad_norm: float | None = None
+    """Total gradient norm before clipping, when clipping is on."""
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Clip the gradients of all ``parameters`` to a total norm of ``max_norm``; returns the norm before.
+
+    Parameters may be DTensors on different meshes (TP × FSDP here, FSDP only there), which
+    ``torch.nn.utils.clip_grad_norm_`` cannot stack; each norm is made whole first (``full_tensor`` reduces the
+    shards), then combined as ``sqrt(Σ normᵢ²)``.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g)
+        squares.append((n.full_tensor() if isinstance(n, DTensor) else n) ** 2)
+    total = math.sqrt(float(sum(squares))) if squares else 0.0
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+def _peak_memory() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class Trainer:
+    """Runs steps of ``model`` (already parallelized under ``plan``) with ``optimizer``."""
+
+    def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, optimizer: torch.optim.Optimizer, *,
+                 loss_fn: Callable = lm_loss, clip_norm: float | None = None,
+                 lr_schedule: Callable[[int], float] | None = None):
+        if plan.pp > 1:
+            raise InvalidArgumentError("pipeline plans run through the pipeline schedule, not this loop (not yet)")
+        self.model, self.plan, self.meshes, self.optimizer = model, plan, meshes, optimizer
+        self.loss_fn, self.clip_norm = loss_fn, clip_norm
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
+        self.steps_done = 0
+
+    def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
+        dp = self.plan.layers[1 if self.plan.num_layers > 1 else 0].dp
+        if t.shape[0] % (dp * self.plan.microbatches):
+            raise InvalidArgumentError(
+                f"a batch of {t.shape[0]} rows does not split into dp × microbatches = {dp} × "
+                f"{self.plan.microbatches} = {dp * self.plan.microbatches} equal parts; give batches of "
+                f"{self.plan.global_batch} rows (the plan's global batch)")
+        share = t.shape[0] // dp
+        rank = self.meshes.dp_rank(1 if self.plan.num_layers > 1 else 0)
+        return t[rank * share:(rank + 1) * share]
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepRecord:
+        """One optimizer step over a global batch; every rank passes the same global batch."""
+        started = time.perf_counter()
+        tokens = ids.numel()
+        ids, targets = self._local_rows(ids), self._local_rows(targets)
+        m = self.plan.microbatches
+        total = torch.zeros(())
+        for i, (x, y) in enumerate(zip(ids.chunk(m), targets.chunk(m))):
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce once, after the last one
+                self.model.set_requires_gradient_sync(i == m - 1)
+            loss = self.loss_fn(self.model(x), y) / m
+            loss.backward()
+            total += loss.detach()
+        norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm) if self.clip_norm else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        world = dist.get_world_size()
+        dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
+        seconds = time.perf_counter() - started
+        self.steps_done += 1
+        return StepRecord(self.steps_done, float(total) / world, seconds, tokens / seconds, _peak_memory(), norm)
