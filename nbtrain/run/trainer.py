@@ -76,22 +76,29 @@ class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, optimizer: torch.optim.Optimizer, *,
                  loss_fn: Callable = lm_loss, clip_norm: float | None = None,
                  lr_schedule: Callable[[int], float] | None = None):
-        if plan.pp > 1:
-            raise InvalidArgumentError("pipeline plans run through the pipeline schedule, not this loop (not yet)")
         self.model, self.plan, self.meshes, self.optimizer = model, plan, meshes, optimizer
         self.loss_fn, self.clip_norm = loss_fn, clip_norm
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
         self.steps_done = 0
+        self.pipeline = None
+        if plan.pp > 1:
+            from nbtrain.run.pipeline import PipelineRunner
+
+            self.pipeline = PipelineRunner(model, plan, meshes, loss_fn)
+
+    def _layer(self) -> int:
+        """A layer of this process's stage: its data-parallel layout decides which rows this process takes."""
+        return self.plan.stage_ranges()[self.meshes.stage][0]
 
     def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
-        dp = self.plan.layers[1 if self.plan.num_layers > 1 else 0].dp
+        dp = self.plan.layers[self._layer()].dp
         if t.shape[0] % (dp * self.plan.microbatches):
             raise InvalidArgumentError(
                 f"a batch of {t.shape[0]} rows does not split into dp × microbatches = {dp} × "
                 f"{self.plan.microbatches} = {dp * self.plan.microbatches} equal parts; give batches of "
                 f"{self.plan.global_batch} rows (the plan's global batch)")
         share = t.shape[0] // dp
-        rank = self.meshes.dp_rank(1 if self.plan.num_layers > 1 else 0)
+        rank = self.meshes.dp_rank(self._layer())
         return t[rank * share:(rank + 1) * share]
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepRecord:
@@ -99,6 +106,28 @@ class Trainer:
         started = time.perf_counter()
         tokens = ids.numel()
         ids, targets = self._local_rows(ids), self._local_rows(targets)
+        if self.pipeline is not None:
+            loss = self.pipeline.step(ids, targets)
+            # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
+            # held by its D / dp tensor-parallel ranks: the sum over the world / D is the mean over the slices
+            total = loss if loss is not None else torch.zeros(())
+            per_stage = self.plan.devices_per_stage
+        else:
+            total = self._accumulate(ids, targets)
+            per_stage = dist.get_world_size()
+        norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm) if self.clip_norm else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
+        seconds = time.perf_counter() - started
+        self.steps_done += 1
+        return StepRecord(self.steps_done, float(total) / per_stage, seconds, tokens / seconds, _peak_memory(),
+                          norm)
+
+    def _accumulate(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of each micro-batch, gradients accumulated; returns the mean loss of the rows."""
         m = self.plan.microbatches
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(ids.chunk(m), targets.chunk(m))):
@@ -107,13 +136,4 @@ class Trainer:
             loss = self.loss_fn(self.model(x), y) / m
             loss.backward()
             total += loss.detach()
-        norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm) if self.clip_norm else None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        world = dist.get_world_size()
-        dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
-        seconds = time.perf_counter() - started
-        self.steps_done += 1
-        return StepRecord(self.steps_done, float(total) / world, seconds, tokens / seconds, _peak_memory(), norm)
+        return total
