@@ -11,9 +11,11 @@ from tests.distributed_fixtures import GPT_TINY, LLAMA_TINY, distributed_losses,
 
 TWO = ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2", "dp_shard=2 ac", "tp=2", "tp=2 ac",
        "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2", "mb=2 | dp_shard=2", "mb=4 | tp=2",
-       "pp=2 mb=2 schedule=gpipe", "pp=2 mb=4 schedule=1f1b", "pp=2 mb=2 stages=1+3 | 0-3: dp_replicate=1 ac"]
+       "pp=2 mb=2 schedule=gpipe", "pp=2 mb=4 schedule=1f1b", "pp=2 mb=2 stages=1+3 | 0-3: dp_replicate=1 ac",
+       "0: dp_shard=2; 1-2: tp=2 ac; 3: dp_replicate=2"]
 FOUR = ["dp_shard=2 tp=2", "dp_replicate=2 dp_shard=2", "dp_replicate=2 tp=2 ac", "pp=2 mb=2 | dp_shard=2",
-        "pp=2 mb=4 | tp=2 ac"]
+        "pp=2 mb=4 | tp=2 ac", "0: dp_shard=4; 1: dp_shard=2 tp=2 ac; 2: dp_replicate=2 tp=2; 3: dp_shard=4",
+        "pp=2 mb=2 | 0: dp_shard=2; 1: tp=2; 2: dp_shard=2 ac; 3: tp=2"]
 
 
 @pytest.fixture(scope="module", params=[GPT_TINY, LLAMA_TINY], ids=["gpt", "llama"])

@@ -47,6 +47,11 @@ class PlanMeshes:
                 self._worlds[shape] = init_device_mesh(device_type(), (plan.pp, *shape),
                                                        mesh_dim_names=("pp", *AXES))
 
+        # one group per stage, created by every rank in the same order (new_group is collective)
+        groups = [dist.new_group(self.stage_ranks(i)) for i in range(plan.pp)] if plan.pp > 1 else [dist.group.WORLD]
+        self.stage_group = groups[self.stage]
+        """The process group of this rank's pipeline stage (re-layouts between layers run over it)."""
+
     def stage_ranks(self, stage: int | None = None) -> list[int]:
         stage = self.stage if stage is None else stage
         per = self.plan.devices_per_stage

@@ -26,6 +26,7 @@ from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import detect_family
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.run.mesh import PlanMeshes
+from nbtrain.run.relayout import Relayout
 
 # Megatron-LM's split of a transformer block (Shoeybi et al. 2019, §3): q, k, v and the MLP's first layer(s) by
 # output features (each rank holds whole heads / hidden units), the output projections by input features, so a
@@ -77,10 +78,6 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     slots = layer_modules(model)
     if len(slots) != plan.num_layers:
         raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(slots)}")
-    layouts = {s.layout for s in plan.layers}
-    if len(layouts) > 1:
-        raise InvalidPlanError("layers with different (dp, tp) layouts need the activation re-layout, which the "
-                               "executor does not do yet; use the same dp × tp on every layer")
     tied = getattr(model, "config", None) is not None and getattr(model.config, "tie_embeddings", False)
     if tied and plan.layers[0].tp > 1:
         raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1, or a model "
@@ -101,8 +98,11 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         if s.dp > 1:
             fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
                         mp_policy=policy)
+        if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
+            _set(parent, attr, Relayout(module, plan.layers[i - 1].layout, s.layout, meshes.stage_group))
+    uniform = len({s.layout for s in plan.layers}) == 1
     s = plan.layers[start]
-    if s.dp > 1 and plan.pp == 1:
+    if s.dp > 1 and plan.pp == 1 and uniform:  # the root gathers what no layer holds (nothing, for the GPT)
         fully_shard(model, mesh=meshes.for_strategy(s)["dp_replicate", "dp_shard"], mp_policy=policy)
     return model
 

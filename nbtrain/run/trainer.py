@@ -86,26 +86,27 @@ class Trainer:
 
             self.pipeline = PipelineRunner(model, plan, meshes, loss_fn)
 
-    def _layer(self) -> int:
-        """A layer of this process's stage: its data-parallel layout decides which rows this process takes."""
-        return self.plan.stage_ranges()[self.meshes.stage][0]
+    def _local_rows(self, t: torch.Tensor, layer: int) -> torch.Tensor:
+        """This process's rows of a global batch, as ``layer``'s layout gives them out.
 
-    def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
-        dp = self.plan.layers[self._layer()].dp
-        if t.shape[0] % (dp * self.plan.microbatches):
+        The batch is cut into the plan's micro-batches first, then each micro-batch into data-parallel slices, and
+        this process's slices are stacked (so ``chunk(microbatches)`` gives them back): a re-layout between layers
+        regathers one micro-batch in global row order, and the targets, taken in the last layer's layout, line up.
+        """
+        m, s = self.plan.microbatches, self.plan.layers[layer]
+        if t.shape[0] % (s.dp * m):
             raise InvalidArgumentError(
-                f"a batch of {t.shape[0]} rows does not split into dp × microbatches = {dp} × "
-                f"{self.plan.microbatches} = {dp * self.plan.microbatches} equal parts; give batches of "
-                f"{self.plan.global_batch} rows (the plan's global batch)")
-        share = t.shape[0] // dp
-        rank = self.meshes.dp_rank(self._layer())
-        return t[rank * share:(rank + 1) * share]
+                f"a batch of {t.shape[0]} rows does not split into microbatches × dp = {m} × {s.dp} = {s.dp * m} "
+                f"equal parts; give batches of {self.plan.global_batch} rows (the plan's global batch)")
+        rank = self.meshes.dp_rank(layer)
+        return torch.cat([micro.chunk(s.dp)[rank] for micro in t.chunk(m)])
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepRecord:
         """One optimizer step over a global batch; every rank passes the same global batch."""
         started = time.perf_counter()
         tokens = ids.numel()
-        ids, targets = self._local_rows(ids), self._local_rows(targets)
+        first = self.plan.stage_ranges()[self.meshes.stage][0]
+        ids, targets = self._local_rows(ids, first), self._local_rows(targets, self.plan.num_layers - 1)
         if self.pipeline is not None:
             loss = self.pipeline.step(ids, targets)
             # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
