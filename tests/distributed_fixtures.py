@@ -22,24 +22,43 @@ GPT_TINY = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=
 LLAMA_TINY = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
                        norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False)
 BATCH, SEQ, STEPS = 4, 16, 5
+VOCAB = 128
 
 
-def batches(config: GPTConfig, steps: int = STEPS):
+def gpt():
+    return GPT(GPT_TINY)
+
+
+def llama():
+    return GPT(LLAMA_TINY)
+
+
+def hf_llama():
+    """A transformers Llama of the same shape as LLAMA_TINY (transformers is a test dependency)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False, use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def batches(steps: int = STEPS):
     """Two fixed batches in turn: the model can learn them, so the losses move and a wrong gradient shows."""
     g = torch.Generator().manual_seed(1234)
-    fixed = [torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(2)]
+    fixed = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2)]
     for step in range(steps):
         ids = fixed[step % 2]
         yield ids, torch.roll(ids, -1, dims=1)
 
 
-def reference_losses(config: GPTConfig, clip_norm: float | None = None) -> list[float]:
+def reference_losses(build, clip_norm: float | None = None) -> list[float]:
     """One process, the whole batch, plain PyTorch."""
     torch.manual_seed(0)
-    model = GPT(config)
+    model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for ids, targets in batches(config):
+    for ids, targets in batches():
         loss = lm_loss(model(ids), targets)
         loss.backward()
         if clip_norm:
@@ -50,26 +69,27 @@ def reference_losses(config: GPTConfig, clip_norm: float | None = None) -> list[
     return losses
 
 
-def _worker(rank, world, port, config, plans, clip_norm, queue):
+def _worker(rank, world, port, build, plans, clip_norm, queue):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from nbtrain.run.mesh import PlanMeshes
-        from nbtrain.run.parallelize import parallelize
+        from nbtrain.run.parallelize import layer_modules, parallelize
 
         from nbtrain.run.trainer import Trainer
 
         results = {}
         for text in plans:
             torch.manual_seed(0)
-            model = GPT(config)
-            plan = Plan.parse(text, num_devices=world, num_layers=config.n_layer + 2, global_batch=BATCH, seq_len=SEQ)
+            model = build()
+            plan = Plan.parse(text, num_devices=world, num_layers=len(layer_modules(model)), global_batch=BATCH,
+                              seq_len=SEQ)
             meshes = PlanMeshes(plan)
             parallelize(model, plan, meshes)
             trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=1e-2),
                               clip_norm=clip_norm)
-            results[text] = [trainer.step(ids, targets).loss for ids, targets in batches(config)]
+            results[text] = [trainer.step(ids, targets).loss for ids, targets in batches()]
         queue.put((rank, "ok", results))
         dist.barrier()
     except Exception:
@@ -79,7 +99,7 @@ def _worker(rank, world, port, config, plans, clip_norm, queue):
             dist.destroy_process_group()
 
 
-def distributed_losses(config: GPTConfig, plans: list[str], world: int, clip_norm: float | None = None,
+def distributed_losses(build, plans: list[str], world: int, clip_norm: float | None = None,
                        timeout: float = 300) -> dict:
     """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
     with socket.socket() as s:
@@ -87,7 +107,7 @@ def distributed_losses(config: GPTConfig, plans: list[str], world: int, clip_nor
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, config, plans, clip_norm, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, build, plans, clip_norm, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

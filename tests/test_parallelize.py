@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_fixtures import GPT_TINY, LLAMA_TINY, distributed_losses, reference_losses
+from tests.distributed_fixtures import distributed_losses, gpt, hf_llama, llama, reference_losses
 
 TWO = ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2", "dp_shard=2 ac", "tp=2", "tp=2 ac",
        "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2", "mb=2 | dp_shard=2", "mb=4 | tp=2",
@@ -18,11 +18,11 @@ FOUR = ["dp_shard=2 tp=2", "dp_replicate=2 dp_shard=2", "dp_replicate=2 tp=2 ac"
         "pp=2 mb=2 | 0: dp_shard=2; 1: tp=2; 2: dp_shard=2 ac; 3: tp=2"]
 
 
-@pytest.fixture(scope="module", params=[GPT_TINY, LLAMA_TINY], ids=["gpt", "llama"])
+@pytest.fixture(scope="module", params=[gpt, llama], ids=["gpt", "llama"])
 def runs(request):
-    config = request.param
-    return {"reference": reference_losses(config), 2: distributed_losses(config, TWO, world=2),
-            4: distributed_losses(config, FOUR, world=4)}
+    build = request.param
+    return {"reference": reference_losses(build), 2: distributed_losses(build, TWO, world=2),
+            4: distributed_losses(build, FOUR, world=4)}
 
 
 @pytest.mark.slow
@@ -36,8 +36,27 @@ def test_plan_trains_with_the_losses_of_one_process(runs, world, plan):
 @pytest.mark.slow
 def test_micro_batches_and_gradient_clipping_match_one_process_that_clips():
     # a clip norm well under the gradients' norm, so that clipping acts on every step
-    reference = reference_losses(GPT_TINY, clip_norm=0.05)
-    got = distributed_losses(GPT_TINY, ["mb=2 | dp_shard=2", "dp_replicate=2", "tp=2"], world=2, clip_norm=0.05)
+    reference = reference_losses(gpt, clip_norm=0.05)
+    got = distributed_losses(gpt, ["mb=2 | dp_shard=2", "dp_replicate=2", "tp=2"], world=2, clip_norm=0.05)
     for plan, losses in got.items():
         assert losses == pytest.approx(reference, rel=1e-4), plan
-    assert reference != pytest.approx(reference_losses(GPT_TINY), rel=1e-3)  # clipping changed the training
+    assert reference != pytest.approx(reference_losses(gpt), rel=1e-3)  # clipping changed the training
+
+
+HF_TWO = ["dp_shard=2", "dp_replicate=2 ac", "tp=2", "mb=2 | tp=2 ac", "0: dp_shard=2; 1-2: tp=2; 3: dp_shard=2 zero=2"]
+HF_FOUR = ["dp_shard=2 tp=2", "0: dp_shard=4; 1: dp_shard=2 tp=2 ac; 2: dp_replicate=2 tp=2; 3: dp_shard=4"]
+
+
+@pytest.fixture(scope="module")
+def hf_runs():
+    pytest.importorskip("transformers")
+    return {"reference": reference_losses(hf_llama), 2: distributed_losses(hf_llama, HF_TWO, world=2),
+            4: distributed_losses(hf_llama, HF_FOUR, world=4)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,plan", [(2, p) for p in HF_TWO] + [(4, p) for p in HF_FOUR])
+def test_transformers_llama_trains_with_the_losses_of_one_process(hf_runs, world, plan):
+    reference, got = hf_runs["reference"], hf_runs[world][plan]
+    assert got == pytest.approx(reference, rel=1e-4), f"{plan} on {world} processes"
+    assert reference[-1] < reference[0]

@@ -39,28 +39,45 @@ BLOCK_TP = {
 }
 
 
-def layer_modules(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """``(parent, attribute)`` of the module holding each profiled layer: embeddings, every block, the head."""
+def layer_modules(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """For each profiled layer (embeddings, every block, the head), the ``(parent, attribute)`` slots of the
+    modules that hold it: one for nbtrain's GPT, two for a Hugging Face Llama's head (final norm, LM head)."""
     family = detect_family(model)
-    if family.name != "nbtrain-gpt":
-        raise InvalidPlanError(f"the executor runs nbtrain's GPT for now; {type(model).__name__} "
-                               f"({family.name}) is not supported yet")
-    return [(model, "embed")] + [(model.blocks, str(i)) for i in range(len(model.blocks))] + [(model, "head")]
+    if family.name == "nbtrain-gpt":
+        return [[(model, "embed")]] + [[(model.blocks, str(i))] for i in range(len(model.blocks))] + \
+            [[(model, "head")]]
+    if family.name == "hf-llama":
+        inner = model.model
+        return [[(inner, "embed_tokens")]] + [[(inner.layers, str(i))] for i in range(len(inner.layers))] + \
+            [[(inner, "norm"), (model, "lm_head")]]
+    raise InvalidPlanError(f"the executor runs nbtrain's GPT and Hugging Face Llama models; {type(model).__name__} "
+                           f"({family.name}) is not supported yet")
+
+
+def slot_module(parent: nn.Module, attr: str) -> nn.Module:
+    return parent[int(attr)] if attr.isdigit() else getattr(parent, attr)
 
 
 def _tp_style(kind: str):
     return ColwiseParallel() if kind == "col" else RowwiseParallel()
 
 
-def _tensor_parallel(module: nn.Module, kind: str, family: str, mesh) -> None:
+def _tensor_parallel(slots: list[tuple[nn.Module, str]], kind: str, family: str, mesh) -> None:
     if kind == "block":
+        (parent, attr), = slots
+        module = slot_module(parent, attr)
         plan = {name: _tp_style(style) for name, style in BLOCK_TP[family].items() if _has(module, name)}
-    elif kind == "embedding":
-        # vocabulary-parallel embedding: each rank looks up its slice of the table, the partial rows are summed
-        plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    else:
-        plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}  # logits gathered for the loss
-    parallelize_module(module, mesh["tp"], plan)
+        parallelize_module(module, mesh["tp"], plan)
+        return
+    for parent, attr in slots:
+        module = slot_module(parent, attr)
+        if isinstance(module, nn.Embedding) or _has(module, "wte"):
+            # vocabulary-parallel embedding: each rank looks up its slice of the table, the partial rows are summed
+            style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            parallelize_module(parent, mesh["tp"], {attr if isinstance(module, nn.Embedding) else f"{attr}.wte": style})
+        elif isinstance(module, nn.Linear) or _has(module, "lm_head"):
+            style = ColwiseParallel(output_layouts=Replicate())  # logits gathered for the loss
+            parallelize_module(parent, mesh["tp"], {attr if isinstance(module, nn.Linear) else f"{attr}.lm_head": style})
 
 
 def _has(module: nn.Module, name: str) -> bool:
@@ -75,39 +92,45 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
                 mixed_precision: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1)."""
     family = detect_family(model).name
-    slots = layer_modules(model)
-    if len(slots) != plan.num_layers:
-        raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(slots)}")
-    tied = getattr(model, "config", None) is not None and getattr(model.config, "tie_embeddings", False)
-    if tied and plan.layers[0].tp > 1:
-        raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1, or a model "
-                               "with tie_embeddings=False")
-    kinds = ["embedding"] + ["block"] * (len(slots) - 2) + ["head"]
+    layers = layer_modules(model)
+    if len(layers) != plan.num_layers:
+        raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(layers)}")
+    tied = getattr(model, "config", None) is not None and (getattr(model.config, "tie_embeddings", False)
+                                                           or getattr(model.config, "tie_word_embeddings", False))
+    if tied and (plan.layers[0].tp > 1 or plan.layers[-1].tp > 1):
+        raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the first "
+                               "and last layers, or a model that does not tie them")
+    kinds = ["embedding"] + ["block"] * (len(layers) - 2) + ["head"]
     start, end = plan.stage_ranges()[meshes.stage]
     policy = mixed_precision or MixedPrecisionPolicy()
     for i in range(start, end):
         s: Strategy = plan.layers[i]
-        parent, attr = slots[i]
-        module = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
+        slots = layers[i]
         mesh = meshes.for_strategy(s)
         if s.tp > 1:
-            _tensor_parallel(module, kinds[i], family, mesh)
+            _tensor_parallel(slots, kinds[i], family, mesh)
         if s.ac:
-            module = checkpoint_wrapper(module)
-            _set(parent, attr, module)
+            for parent, attr in slots:
+                set_slot_module(parent, attr, checkpoint_wrapper(slot_module(parent, attr)))
         if s.dp > 1:
-            fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
-                        mp_policy=policy)
+            fully_shard([slot_module(p, a) for p, a in slots], mesh=mesh["dp_replicate", "dp_shard"],
+                        reshard_after_forward=s.zero == 3, mp_policy=policy)
         if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
-            _set(parent, attr, Relayout(module, plan.layers[i - 1].layout, s.layout, meshes.stage_group))
-    uniform = len({s.layout for s in plan.layers}) == 1
-    s = plan.layers[start]
-    if s.dp > 1 and plan.pp == 1 and uniform:  # the root gathers what no layer holds (nothing, for the GPT)
-        fully_shard(model, mesh=meshes.for_strategy(s)["dp_replicate", "dp_shard"], mp_policy=policy)
+            parent, attr = slots[0]
+            set_slot_module(parent, attr, Relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout,
+                                        meshes.stage_group))
+    sharded = [s for s in plan.layers[start:end] if s.dp > 1]
+    if sharded and plan.pp == 1:
+        # one FSDP root over the model: it owns no parameters (every layer already holds its own) but orders the
+        # layers' gathers and gradient syncs, and FSDP2 needs a single root above a group of several modules
+        unsharded = {p for i in range(start, end) if plan.layers[i].dp == 1
+                     for parent, attr in layers[i] for p in slot_module(parent, attr).parameters()}
+        fully_shard(model, mesh=meshes.for_strategy(sharded[0])["dp_replicate", "dp_shard"], mp_policy=policy,
+                    ignored_params=unsharded)
     return model
 
 
-def _set(parent: nn.Module, attr: str, module: nn.Module) -> None:
+def set_slot_module(parent: nn.Module, attr: str, module: nn.Module) -> None:
     if attr.isdigit():
         parent[int(attr)] = module
     else:

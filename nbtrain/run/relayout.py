@@ -49,5 +49,6 @@ class Relayout(nn.Module):
         super().__init__()
         self.module, self.src, self.dst, self.group = module, src, dst, group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(_Relayout.apply(x, self.src, self.dst, self.group))
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        # other arguments (a Hugging Face block's RoPE tables) do not depend on the batch: passed as they are
+        return self.module(_Relayout.apply(x, self.src, self.dst, self.group), *args, **kwargs)
