@@ -30,6 +30,9 @@ _PUBLIC = {
     "estimate": "nbtrain.planner.cost",
     "Plan": "nbtrain.planner.strategy",
     "Strategy": "nbtrain.planner.strategy",
+    "launch": "nbtrain.run.launch",
+    "fit": "nbtrain.run.fit",
+    "verify": "nbtrain.run.verify",
 }
 
 __all__ = sorted(_PUBLIC)

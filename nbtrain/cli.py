@@ -5,6 +5,7 @@
     $ nbtrain profile mypkg.models:build --measure            # time the layers on this machine too
     $ nbtrain plan llama-7b --gpus 8 --memory 24GiB --batch 64 --seq 2048     # the fastest plan that fits
     $ nbtrain plan llama-7b --gpus 8 --batch 64 --seq 2048 --strategy "dp_shard=8 ac"   # evaluate a typed plan
+    $ nbtrain verify llama-tiny --strategy "pp=2 mb=2 | dp_shard=2" --processes 4    # trains like one process?
     $ nbtrain cluster H100 --gpus 16                          # a cluster from the device catalog
     $ nbtrain cluster --detect                                # measure this machine
 
@@ -64,6 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="print JSON instead of tables")
     q.set_defaults(run=_plan)
 
+    v = sub.add_parser("verify", help="check that a plan trains like one process (same losses and weights)",
+                       description="Train the model in one process and under the plan in several, from the same "
+                                   "weights and batches; print the loss difference per step and the weight "
+                                   "difference at the end. Exit status 1 when they differ beyond fp32 tolerance.")
+    v.add_argument("model", help="a preset (gpt-tiny, llama-tiny, ...) or 'package.module:attribute'")
+    v.add_argument("--strategy", required=True, help='the plan, e.g. "pp=2 mb=2 | dp_shard=2"')
+    v.add_argument("--processes", type=_positive_int, required=True, help="worker processes (the plan's devices)")
+    v.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps (default 5)")
+    v.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
+    v.add_argument("--seq", type=_positive_int, default=32, help="tokens per sequence (default 32)")
+    v.set_defaults(run=_verify)
+
     c = sub.add_parser("cluster", help="describe a cluster from the device catalog, or measure this machine")
     c.add_argument("device", nargs="?", default=None, help="catalog name (H100, A100-80GB, ...); omit with --detect")
     c.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
@@ -105,6 +118,15 @@ def _plan(args) -> None:
     print(best.summary(label="evaluated" if args.strategy else "recommended"))
 
 
+def _verify(args) -> int:
+    from nbtrain.run.verify import verify
+
+    report = verify(args.model, args.strategy, processes=args.processes, steps=args.steps, batch=args.batch,
+                    seq=args.seq)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def _cluster(args) -> None:
     from nbtrain.profiler.hardware import Cluster
 
@@ -120,14 +142,14 @@ def _cluster(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        args.run(args)
+        status = args.run(args)
     except NbtrainError as exc:
         print(f"nbtrain: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("nbtrain: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

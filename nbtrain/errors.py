@@ -66,3 +66,22 @@ class InvalidPlanError(NbtrainError, ValueError):
 
 class NoFeasiblePlanError(NbtrainError, RuntimeError):
     """No plan fits the memory budget; the message gives the smallest memory per device that would fit."""
+
+
+class LaunchError(NbtrainError, RuntimeError):
+    """Workers could not be started, or did not form the process group they were asked for (a world size other
+    than ``num_processes``, a launch inside a notebook that already created an ``Accelerator``, ...)."""
+
+
+class WorkerError(LaunchError):
+    """A worker process raised or died; the other workers were stopped. ``rank`` is the rank that failed first and
+    ``worker_traceback`` its traceback text (empty when it was killed by a signal rather than raising)."""
+
+    def __init__(self, message: str, rank: int | None = None, worker_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The workers ran past the ``timeout`` given to ``launch``; they were killed."""

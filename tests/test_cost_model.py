@@ -28,7 +28,7 @@ from nbtrain.planner.cost import GiB, CostModel, CostOptions, Memory, estimate
 from nbtrain.planner.strategy import Plan, Strategy, strategy_space
 from nbtrain.profiler.result import Scaling
 
-from planner_fixtures import cluster, layer, per_token, profile
+from tests.planner_fixtures import cluster, layer, per_token, profile
 
 S = Strategy
 P_EMBED, P_BLOCK, P_HEAD = 800_000, 8_000_000, 1_600_000

@@ -25,7 +25,7 @@ from nbtrain.planner.search import SearchOptions, search
 from nbtrain.planner.strategy import Plan, Strategy, strategy_space
 from nbtrain.profiler.result import Scaling
 
-from planner_fixtures import KINDS, cluster, layer, profile
+from tests.planner_fixtures import KINDS, cluster, layer, profile
 
 NO_RESERVE = CostOptions(reserve_bytes=0)
 EXACT = 1e-9

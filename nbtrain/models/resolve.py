@@ -15,7 +15,7 @@ from nbtrain.errors import ModelLoadError, NotAModuleError
 from nbtrain.models.presets import PRESETS, build_preset, preset_config
 
 
-def _load_reference(ref: str) -> object:
+def load_reference(ref: str) -> object:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise ModelLoadError(f"cannot read {ref!r} as 'package.module:attribute'")
@@ -42,7 +42,7 @@ def resolve_model(model: object, name: str | None = None) -> tuple[str, nn.Modul
         label = label or model
         if ":" not in model:
             return label, build_preset(model)
-        model = _load_reference(model)
+        model = load_reference(model)
     if not isinstance(model, nn.Module) and callable(model):
         import torch
 

@@ -26,7 +26,7 @@ from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import detect_family
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.run.mesh import PlanMeshes
-from nbtrain.run.relayout import Relayout
+from nbtrain.run.relayout import add_relayout
 
 # Megatron-LM's split of a transformer block (Shoeybi et al. 2019, §3): q, k, v and the MLP's first layer(s) by
 # output features (each rank holds whole heads / hidden units), the output projections by input features, so a
@@ -93,13 +93,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1)."""
     family = detect_family(model).name
     layers = layer_modules(model)
-    if len(layers) != plan.num_layers:
-        raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(layers)}")
-    tied = getattr(model, "config", None) is not None and (getattr(model.config, "tie_embeddings", False)
-                                                           or getattr(model.config, "tie_word_embeddings", False))
-    if tied and (plan.layers[0].tp > 1 or plan.layers[-1].tp > 1):
-        raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the first "
-                               "and last layers, or a model that does not tie them")
+    tied = check_plan(model, plan)
     kinds = ["embedding"] + ["block"] * (len(layers) - 2) + ["head"]
     start, end = plan.stage_ranges()[meshes.stage]
     policy = mixed_precision or MixedPrecisionPolicy()
@@ -112,13 +106,16 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         if s.ac:
             for parent, attr in slots:
                 set_slot_module(parent, attr, checkpoint_wrapper(slot_module(parent, attr)))
-        if s.dp > 1:
+        if s.dp > 1 and not (tied and i in (0, plan.num_layers - 1)):
             fully_shard([slot_module(p, a) for p, a in slots], mesh=mesh["dp_replicate", "dp_shard"],
                         reshard_after_forward=s.zero == 3, mp_policy=policy)
+        if s.dp > 1 and tied and i == plan.num_layers - 1:  # a shared weight must live in one FSDP group
+            group = [slot_module(p, a) for p, a in layers[0] + slots]
+            fully_shard(group, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
+                        mp_policy=policy)
         if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
             parent, attr = slots[0]
-            set_slot_module(parent, attr, Relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout,
-                                        meshes.stage_group))
+            add_relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout, meshes.stage_group)
     sharded = [s for s in plan.layers[start:end] if s.dp > 1]
     if sharded and plan.pp == 1:
         # one FSDP root over the model: it owns no parameters (every layer already holds its own) but orders the
@@ -128,6 +125,37 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         fully_shard(model, mesh=meshes.for_strategy(sharded[0])["dp_replicate", "dp_shard"], mp_policy=policy,
                     ignored_params=unsharded)
     return model
+
+
+def check_plan(model: nn.Module, plan: Plan) -> bool:
+    """Refuse, before anything is launched, a plan this model cannot run; returns whether the embedding and the
+    head share their weight."""
+    layers = layer_modules(model)
+    if len(layers) != plan.num_layers:
+        raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(layers)} "
+                               "(embeddings, blocks, head)")
+    tied = _tied(layers)
+    if tied:
+        first, last = plan.layers[0], plan.layers[-1]
+        if first.tp > 1 or last.tp > 1:
+            raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the "
+                                   "first and last layers, or a model that does not tie them")
+        if plan.pp > 1:
+            raise InvalidPlanError("the embedding and the head share their weight, so they cannot sit in different "
+                                   "pipeline stages yet: use pp=1, or a model that does not tie them")
+        if (first.dp_replicate, first.dp_shard, first.zero) != (last.dp_replicate, last.dp_shard, last.zero):
+            raise InvalidPlanError(f"the embedding (layer 0: {first}) and the head (layer {plan.num_layers - 1}: "
+                                   f"{last}) share their weight, so they need the same data-parallel strategy")
+    if plan.pp > 1 and detect_family(model).name != "nbtrain-gpt":
+        raise InvalidPlanError("pipeline stages of Hugging Face models are not supported yet (their blocks need "
+                               "the RoPE tables their model computes once); use pp=1")
+    return tied
+
+
+def _tied(layers: list[list[tuple[nn.Module, str]]]) -> bool:
+    """Whether the first and the last layer share a parameter (an output head tied to the token embedding)."""
+    first = {id(p) for parent, attr in layers[0] for p in slot_module(parent, attr).parameters()}
+    return any(id(p) in first for parent, attr in layers[-1] for p in slot_module(parent, attr).parameters())
 
 
 def set_slot_module(parent: nn.Module, attr: str, module: nn.Module) -> None:

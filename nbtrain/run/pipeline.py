@@ -20,8 +20,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from nbtrain.planner.strategy import Plan
 from nbtrain.run.mesh import PlanMeshes, device_type
-from nbtrain.errors import InvalidPlanError
-from nbtrain.models.adapters import detect_family
 from nbtrain.run.parallelize import layer_modules, slot_module
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -46,9 +44,6 @@ class PipelineRunner:
 
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, loss_fn: Callable):
         start, end = plan.stage_ranges()[meshes.stage]
-        if detect_family(model).name != "nbtrain-gpt":
-            raise InvalidPlanError("pipeline stages of Hugging Face models are not supported yet (their blocks need "
-                                   "the RoPE tables their model computes once); use pp=1")
         layers = [slot_module(parent, attr) for (parent, attr), in layer_modules(model)[start:end]]
         self.module = StageModule(layers)
         self.first, self.last = meshes.stage == 0, meshes.stage == plan.pp - 1

@@ -42,13 +42,13 @@ class _Relayout(torch.autograd.Function):
         return _move(grad, ctx.dst, ctx.src, ctx.group) * scale, None, None, None
 
 
-class Relayout(nn.Module):
-    """Runs ``module`` on its input moved from layout ``src`` to ``dst`` (each a ``(dp, tp)`` pair)."""
+def add_relayout(module: nn.Module, src: tuple[int, int], dst: tuple[int, int], group) -> None:
+    """Make ``module`` move its first input from layout ``src`` to ``dst`` (each ``(dp, tp)``) before it runs.
 
-    def __init__(self, module: nn.Module, src: tuple[int, int], dst: tuple[int, int], group):
-        super().__init__()
-        self.module, self.src, self.dst, self.group = module, src, dst, group
+    A forward pre-hook rather than a wrapper module, so parameter names (and state dicts) stay the model's. Other
+    arguments (a Hugging Face block's RoPE tables) do not depend on the batch and pass as they are.
+    """
+    def hook(_, args, kwargs):
+        return (_Relayout.apply(args[0], src, dst, group), *args[1:]), kwargs
 
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        # other arguments (a Hugging Face block's RoPE tables) do not depend on the batch: passed as they are
-        return self.module(_Relayout.apply(x, self.src, self.dst, self.group), *args, **kwargs)
+    module.register_forward_pre_hook(hook, with_kwargs=True)

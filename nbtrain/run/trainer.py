@@ -44,19 +44,22 @@ class StepRecord:
     """Total gradient norm before clipping, when clipping is on."""
 
 
-def clip_grad_norm(parameters, max_norm: float) -> float:
+def clip_grad_norm(parameters, max_norm: float, pipeline_group=None) -> float:
     """Clip the gradients of all ``parameters`` to a total norm of ``max_norm``; returns the norm before.
 
     Parameters may be DTensors on different meshes (TP × FSDP here, FSDP only there), which
     ``torch.nn.utils.clip_grad_norm_`` cannot stack; each norm is made whole first (``full_tensor`` reduces the
-    shards), then combined as ``sqrt(Σ normᵢ²)``.
+    shards), then combined as ``sqrt(Σ normᵢ²)``. A pipeline stage holds only its layers' gradients: the squares
+    are summed over ``pipeline_group`` too, so every stage clips by the norm of the whole model.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares = []
+    square = torch.zeros((), dtype=torch.float64)
     for g in grads:
         n = torch.linalg.vector_norm(g)
-        squares.append((n.full_tensor() if isinstance(n, DTensor) else n) ** 2)
-    total = math.sqrt(float(sum(squares))) if squares else 0.0
+        square += (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
+    if pipeline_group is not None:
+        dist.all_reduce(square, group=pipeline_group)
+    total = math.sqrt(float(square))
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
         for g in grads:
@@ -116,7 +119,8 @@ class Trainer:
         else:
             total = self._accumulate(ids, targets)
             per_stage = dist.get_world_size()
-        norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm) if self.clip_norm else None
+        pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
+        norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group) if self.clip_norm else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

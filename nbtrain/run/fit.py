@@ -1,0 +1,166 @@
+"""Train a model under a plan in several processes, in one call, and get the trained weights back.
+
+    >>> import nbtrain
+    >>> model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    >>> result = nbtrain.fit(model, batches, plan="dp_shard=2 ac", steps=20, num_processes=2)
+    >>> print(result)               # loss, time and memory per step; measured step time beside the predicted
+    >>> model                       # now holds the trained weights
+
+``batches`` is a list (or any re-iterable) of ``(ids, targets)`` global batches, or a function ``step -> batch``.
+Workers are forked by :func:`nbtrain.launch`, so each starts with the parent's model and data; each parallelizes
+its copy, trains, and rank 0 gathers the full state dict, which is loaded back into ``model``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.planner.strategy import Plan
+from nbtrain.profiler.model import lm_loss
+from nbtrain.run.trainer import StepRecord
+from nbtrain.table import Table
+from nbtrain.units import format_bytes, format_seconds
+
+
+@dataclass
+class FitResult:
+    """What a parallel training run did, as rank 0 saw it."""
+
+    plan: Plan
+    records: list[StepRecord]
+    predicted_step_s: float | None = None
+    """The cost model's step time for this plan on the described cluster, when a cluster was given."""
+    state_dict: dict = field(default_factory=dict, repr=False)
+    """The trained weights, whole, on the CPU (already loaded into the model passed to ``fit``)."""
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+    @property
+    def measured_step_s(self) -> float:
+        """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
+        times = [r.seconds for r in self.records[1:]] or [r.seconds for r in self.records]
+        return statistics.median(times)
+
+    def table(self) -> Table:
+        t = Table(["step", "loss", "time", "tokens/s", "peak memory"], align="rrrrr")
+        t.title = f"trained under: {self.plan}"
+        for r in self.records:
+            t.add(r.step, f"{r.loss:.4f}", format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}",
+                  format_bytes(r.peak_memory_bytes))
+        line = f"measured step time (median after the first): {format_seconds(self.measured_step_s)}"
+        if self.predicted_step_s is not None:
+            line += f" · predicted: {format_seconds(self.predicted_step_s)}"
+        t.footer.append(line)
+        return t
+
+    def __str__(self) -> str:
+        return str(self.table())
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+
+def _batch_source(data, steps: int) -> Callable[[int], tuple]:
+    if callable(data):
+        return data
+    items = list(data) if not isinstance(data, (list, tuple)) else data
+    if not items:
+        raise InvalidArgumentError("no batches given: pass a list of (ids, targets) or a function step -> batch")
+    return lambda step: items[step % len(items)]
+
+
+def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss_fn, seed: int, progress: bool):
+    """Runs in every process: parallelize, train, gather the weights to rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from nbtrain.run.mesh import PlanMeshes
+    from nbtrain.run.parallelize import layer_modules, parallelize, slot_module
+    from nbtrain.run.trainer import Trainer
+
+    torch.manual_seed(seed)
+    meshes = PlanMeshes(plan)
+    names = {id(module): name for name, module in model.named_modules()}
+    start, end = plan.stage_ranges()[meshes.stage]
+    # the weights this stage trains, by name: the other stages' layers here are untouched copies
+    mine = tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_modules(model)[start:end]
+                 for parent, attr in slots)
+    parallelize(model, plan, meshes)
+    trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=lr), loss_fn=loss_fn,
+                      clip_norm=clip_norm)
+    rank0 = dist.get_rank() == 0
+    bar = _progress(steps) if progress and rank0 else None
+    records = []
+    for step in range(steps):
+        record = trainer.step(*get_batch(step))
+        records.append(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record.loss:.4f}")
+    if bar is not None:
+        bar.close()
+    # full tensors on every rank (with cpu_offload=True only global rank 0 would get them, and rank 0 does not
+    # hold the other pipeline stages' weights)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    state = {k.replace("_checkpoint_wrapped_module.", ""): v.detach().cpu() for k, v in state.items()}
+    trained = {k: v for k, v in state.items() if k.startswith(mine)} if dist.get_rank() % plan.devices_per_stage == 0 \
+        else {}
+    parts = [None] * dist.get_world_size() if rank0 else None
+    dist.gather_object(trained, parts, dst=0)  # each stage's first rank sends the weights its stage trained
+    if not rank0:
+        return None
+    for part in parts:
+        state.update(part)
+    return records, state
+
+
+def _progress(steps: int):
+    if os.environ.get("NBTRAIN_NONINTERACTIVE"):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, desc="training", unit="step")
+
+
+def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
+        lr: float = 3e-4, clip_norm: float | None = 1.0, loss_fn: Callable = lm_loss, seed: int = 0,
+        cluster=None, progress: bool = True) -> FitResult:
+    """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
+    device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
+    machine) adds the predicted step time beside the measured one."""
+    from nbtrain.run.launch import launch
+    from nbtrain.run.parallelize import check_plan, layer_modules
+
+    if not isinstance(steps, int) or steps < 1:
+        raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
+    get_batch = _batch_source(data, steps)
+    ids, _ = get_batch(0)
+    if isinstance(plan, str):
+        plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_modules(model)),
+                          global_batch=ids.shape[0], seq_len=ids.shape[1])
+    num_processes = num_processes or plan.num_devices
+    if plan.num_devices != num_processes:
+        raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but {num_processes} processes were "
+                               f"asked for; launch {plan.num_devices}, or write the plan for {num_processes}")
+    if plan.global_batch is None:
+        plan = plan.replace(global_batch=ids.shape[0], seq_len=ids.shape[1])
+    check_plan(model, plan)  # here, not in the workers: a plan the model cannot take is one clear error
+    predicted = None
+    if cluster is not None:
+        import nbtrain
+
+        prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
+        predicted = nbtrain.estimate(plan, prof, cluster).step_time_s
+    records, state = launch(_worker, model, plan, get_batch, steps, lr, clip_norm, loss_fn, seed, progress,
+                            num_processes=num_processes)
+    model.load_state_dict(state)
+    return FitResult(plan, records, predicted, state)

@@ -1,0 +1,337 @@
+"""Run a function in worker processes that share one ``torch.distributed`` process group; get rank 0's result.
+
+    >>> from nbtrain.run.launch import launch, rank_print
+    >>> def sum_of_ranks():
+    ...     import torch, torch.distributed as dist
+    ...     t = torch.tensor([dist.get_rank()])
+    ...     dist.all_reduce(t)                   # gloo on CPU, nccl on GPUs: the group is already there
+    ...     rank_print("sum of ranks", int(t))   # "[rank 0] sum of ranks 1" and "[rank 1] sum of ranks 1"
+    ...     return int(t)
+    >>> launch(sum_of_ranks, num_processes=2, timeout=60)
+    1
+
+Workers are forked by accelerate's ``notebook_launcher`` (torch's elastic agent underneath), so a function defined
+in a notebook cell runs as is and nothing is imported again (~1 s to start two workers, not ~5 s each).
+
+The same user code runs on several nodes from a shell: under ``torchrun --nproc-per-node 8 train.py`` or
+``accelerate launch train.py`` each process already has ``RANK``/``WORLD_SIZE`` set, and ``launch`` then calls the
+function in that process (initialising the group if needed) instead of forking; ``num_processes`` is ignored and
+each rank gets its own return value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import contextmanager, nullcontext, redirect_stdout
+from pathlib import Path
+from typing import Any, Callable
+
+from nbtrain.errors import InvalidArgumentError, LaunchError, LaunchTimeoutError, WorkerError
+
+# torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
+_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
+_PG_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default, used when no timeout is given
+
+
+def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int | None = None,
+           timeout: float | None = None, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``num_processes`` ranks of one process group; return rank 0's return value.
+
+    ``launch(train, model_cfg, num_processes=4, timeout=600, steps=10)`` forks four workers, each with
+    ``torch.distributed`` initialised (gloo without a GPU, nccl on one GPU per rank), runs ``train(model_cfg,
+    steps=10)`` in each, and returns what rank 0 returned (it must pickle). ``num_processes=1`` runs ``fn`` in
+    this process in a one-rank group, so ``%debug`` works. ``port`` is the rendezvous port (a free one by default);
+    ``timeout`` (seconds) bounds the whole run and every collective.
+
+    A worker that raises stops all workers and raises :class:`WorkerError` naming the rank, with its traceback;
+    past ``timeout`` the workers are killed and :class:`LaunchTimeoutError` is raised; Ctrl-C stops the workers and
+    re-raises ``KeyboardInterrupt``. In every case no worker process is left behind and the kernel lives on.
+    """
+    if not callable(fn):
+        raise InvalidArgumentError(f"launch needs a function to run, got {type(fn).__name__}: launch(train, ...)")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise InvalidArgumentError(f"num_processes must be a positive int, got {num_processes!r}; "
+                                   "e.g. launch(fn, num_processes=2)")
+    if timeout is not None and not timeout > 0:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    pg_timeout = datetime.timedelta(seconds=timeout) if timeout else _PG_TIMEOUT
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a torchrun / accelerate launch worker
+        with _cpu_env(_gpu_count() == 0):
+            return _run_in_group(fn, args, kwargs, int(os.environ["WORLD_SIZE"]), pg_timeout)
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # forked workers would inherit it and never form their own
+        raise LaunchError(f"this process already has a process group (world size {dist.get_world_size()}); "
+                          "call torch.distributed.destroy_process_group() first, or restart the kernel")
+    gpus = _gpu_count()
+    _check_limit(num_processes, gpus)
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise InvalidArgumentError(f"port must be an int in 1..65535 or None (pick a free one), got {port!r}")
+    if port is not None and not _port_is_free(port):
+        raise InvalidArgumentError(f"port {port} is in use; pass another, or port=None to pick a free one")
+    if num_processes == 1:
+        with _cpu_env(gpus == 0):
+            return _run_in_group(fn, args, kwargs, 1, pg_timeout)
+    return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gpus)
+
+
+def rank_print(*args: Any, sep: str = " ", end: str = "\n", file=None) -> None:
+    """``print`` with a ``[rank k]`` prefix: ``rank_print("loss", 2.31)`` prints ``[rank 1] loss 2.31``.
+
+    The line is written in one piece and flushed, so lines of several workers in one cell interleave whole
+    (``print`` writes each argument separately, and a notebook shows those pieces mixed across ranks)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    stream = file or sys.stdout
+    stream.write(f"[rank {rank}] {sep.join(map(str, args))}{end}")
+    stream.flush()
+
+
+def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gpus):
+    from accelerate import notebook_launcher
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    before = set(multiprocessing.active_children())
+    timed_out = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, _launch_env(gpus == 0):
+        worker = _Worker(fn, args, kwargs, num_processes, workdir, "nccl" if gpus else "gloo", pg_timeout)
+        timer = threading.Timer(timeout, _stop_workers, (before, timed_out)) if timeout else None
+        try:
+            if timer:
+                timer.start()
+            for attempt in range(3):
+                try:
+                    use_port = port or _free_port()
+                    print(f"Launching {num_processes} workers on {'GPUs, one each (nccl)' if gpus else 'CPU (gloo)'}"
+                          f" at 127.0.0.1:{use_port}", flush=True)
+                    with redirect_stdout(_DropBanner(sys.stdout)):
+                        notebook_launcher(worker, num_processes=num_processes, use_port=str(use_port))
+                    break
+                except ChildFailedError as failure:
+                    if timed_out.is_set():
+                        raise LaunchTimeoutError(f"the {num_processes} workers ran past timeout={timeout} s and "
+                                                 "were killed; raise the timeout, or look for a rank stuck in a "
+                                                 "collective the others never reach") from None
+                    raise _worker_error(failure, workdir, num_processes) from None
+                except SignalException as stop:  # elastic turns Ctrl-C (and SIGTERM) into this; it has already
+                    if stop.sigval == signal.SIGINT:  # signalled the workers
+                        raise KeyboardInterrupt from None
+                    raise LaunchError(f"the launch was stopped by {stop.sigval.name}") from None
+                except Exception as error:
+                    # Between picking a free port and the agent binding it another process may take it: try again.
+                    if port is None and attempt < 2 and "address already in use" in str(error).lower():
+                        continue
+                    if isinstance(error, ValueError):  # accelerate's "Accelerator already initialised" and such
+                        raise LaunchError(str(error)) from error
+                    raise
+        finally:
+            if timer:
+                timer.cancel()
+            _stop_workers(before)
+        result = Path(workdir) / "result.pkl"
+        if not result.exists():
+            raise LaunchError("the workers finished but rank 0 left no return value")
+        return pickle.loads(result.read_bytes())
+
+
+class _Worker:
+    """What each worker runs: set up the process, run ``fn`` in the group, hand back its result or traceback."""
+
+    def __init__(self, fn, args, kwargs, num_processes, workdir, backend, pg_timeout):
+        self.fn, self.args, self.kwargs, self.num_processes = fn, args, kwargs, num_processes
+        self.workdir, self.backend, self.pg_timeout = Path(workdir), backend, pg_timeout
+        self.stdout = sys.stdout  # the cell's own stream (ipykernel forwards a forked child's writes to it)
+        # elastic names the run (and its error reports) after the entrypoint's __name__/__qualname__
+        self.__name__ = self.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self) -> None:
+        import torch
+
+        # First, before any op: if the parent ran a multi-threaded torch op before forking, its OpenMP pool is
+        # gone in the child and the next multi-threaded op here would wait on it forever. One thread never uses it.
+        torch.set_num_threads(1)
+        sys.stdout = self.stdout  # not the banner filter the fork copied
+        # The fork copied elastic's Python-level handlers, which raise only when the interpreter next runs
+        # bytecode: a worker blocked inside a collective or a deadlock would ignore the agent's SIGTERM (and
+        # Ctrl-C) for the agent's 30 s grace period. The OS default ends the worker at once.
+        for sig in _SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        rank = int(os.environ["RANK"])
+        try:
+            result = _run_in_group(self.fn, self.args, self.kwargs, self.num_processes, self.pg_timeout,
+                                   self.backend)
+            if rank == 0:  # write then rename: the parent never reads half a file
+                (self.workdir / "result.tmp").write_bytes(pickle.dumps(result))
+                os.replace(self.workdir / "result.tmp", self.workdir / "result.pkl")
+        except BaseException:
+            # The first rank to fail is the cause; the others usually fail after it ("connection closed by peer").
+            report = traceback.TracebackException(*sys.exc_info())
+            report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
+            (self.workdir / f"rank{rank}.err").write_text(f"{time.time()!r}\n{''.join(report.format())}")
+            raise
+
+
+def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
+    import torch
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if "MASTER_ADDR" in os.environ:  # env:// as torchrun, the elastic agent and accelerate set it up
+            dist.init_process_group(backend, timeout=pg_timeout)
+        else:  # a one-rank group in this process needs no rendezvous
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+    try:
+        if dist.get_world_size() != world_size:
+            raise LaunchError(f"rank {dist.get_rank()} sees a world of {dist.get_world_size()} processes, not "
+                              f"{world_size}: the workers did not form one group (on a machine without a GPU, "
+                              "ACCELERATE_USE_CPU=1 must be set before launching)")
+        result = fn(*args, **kwargs)
+        if created and dist.is_initialized():
+            # No rank may close its sockets while another still talks to it: a rank that leaves early makes its
+            # peers' last collective fail, or abort at exit ("terminate called without an active exception").
+            dist.barrier()
+            dist.destroy_process_group()
+        return result
+    except BaseException:
+        # A one-rank group in the notebook must not outlive the call (the next launch would fork it). With peers,
+        # the process exits instead: tearing the group down could wait on a collective a peer never finishes.
+        if created and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
+        raise
+
+
+def _worker_error(failure, workdir, num_processes) -> WorkerError:
+    reports = []
+    for path in Path(workdir).glob("rank*.err"):
+        stamp, _, text = path.read_text().partition("\n")
+        reports.append((float(stamp), int(path.stem[4:]), text.rstrip()))
+    if not reports:  # killed by a signal, segfault or os._exit: it wrote nothing
+        rank, first = failure.get_first_failure()
+        how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
+        return WorkerError(f"rank {rank} of {num_processes} died with {how} without raising (the out-of-memory "
+                           "killer? a crash in native code? os._exit?); the other workers were stopped", rank)
+    _, rank, text = min(reports)
+    others = sorted(r for _, r, _ in reports if r != rank)
+    also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
+    return WorkerError(f"rank {rank} of {num_processes} failed: {text.splitlines()[-1]}{also}; the other workers "
+                       f"were stopped. Fix the function and launch again. Traceback of rank {rank}:\n{text}",
+                       rank, text)
+
+
+class _DropBanner:
+    """Drops accelerate's "Launching training on 2 CUDAs." (printed even on CPU); nbtrain prints a true line."""
+
+    def __init__(self, stream):
+        self.stream, self.dropping = stream, False
+
+    def write(self, text: str) -> int:
+        if text.startswith("Launching training on") or (self.dropping and text == "\n"):
+            self.dropping = not self.dropping
+            return len(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _stop_workers(before, flag: threading.Event | None = None) -> None:
+    """Kill the workers this launch started (children now that were not there before) and reap them."""
+    if flag is not None:
+        flag.set()
+    for child in set(multiprocessing.active_children()) - before:
+        child.kill()
+        child.join(5)
+
+
+@contextmanager
+def _launch_env(cpu_only: bool):
+    """The parent's setting for one launch, all put back after it: environment, signal handlers, elastic's logs."""
+    on_main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS} if on_main else {}
+    # A failure is reported once, by WorkerError, not after pages of agent logs. Each of torch's loggers has its
+    # own level, so the parents' level would not reach them.
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"))]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    saved = dict(os.environ)
+    # Busy-waiting OpenMP threads on a small machine can be 30x slower. Forked workers keep the OpenMP runtime
+    # the parent loaded (it read its environment at `import torch`); there one intra-op thread is what prevents
+    # spinning. This reaches what the workers start afresh (exec'd tools, spawned helpers). The user's setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        with _cpu_env(cpu_only):
+            yield
+    finally:
+        for key in set(os.environ) - set(saved):  # key by key: other threads never see an empty environment
+            del os.environ[key]
+        os.environ.update({key: value for key, value in saved.items() if os.environ.get(key) != value})
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+        # elastic installs handlers that raise SignalException and never puts the old ones back: a kernel left
+        # with them would turn the next Ctrl-C into a SignalException.
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _cpu_env(cpu_only: bool):
+    # Without a GPU, an Accelerator in each worker reports one process (DistributedType.NO) and every worker
+    # trains alone; ACCELERATE_USE_CPU=1 makes it see the gloo group (MULTI_CPU). Put back afterwards.
+    from accelerate.utils import patch_environment
+
+    return patch_environment(ACCELERATE_USE_CPU="1") if cpu_only else nullcontext()
+
+
+def _gpu_count() -> int:
+    """GPUs visible, counted through NVML so that CUDA is not initialised in the parent (that would break fork)."""
+    import torch
+    from accelerate.utils import is_cuda_available
+
+    return torch.cuda.device_count() if is_cuda_available() else 0
+
+
+def _check_limit(num_processes: int, gpus: int) -> None:
+    if gpus and num_processes > gpus:
+        raise InvalidArgumentError(f"num_processes={num_processes} but {gpus} GPU(s) are visible and each worker "
+                                   f"needs its own; use num_processes={gpus} or fewer")
+    cores = os.cpu_count() or 1
+    limit = int(os.environ.get("NBTRAIN_MAX_PROCESSES", max(8, cores)))
+    if not gpus and num_processes > limit:
+        raise InvalidArgumentError(f"num_processes={num_processes} is more than the {limit} CPU workers allowed on "
+                                   f"this {cores}-core machine (each holds its own copy of the model); use fewer, "
+                                   "or set NBTRAIN_MAX_PROCESSES to allow more")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds: TIME_WAIT is no conflict
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,61 @@
+"""nbtrain.fit and `nbtrain verify`: one call trains under a plan in real processes and gives the weights back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbtrain
+from nbtrain.cli import main
+from nbtrain.errors import InvalidPlanError
+from nbtrain.run.verify import verify
+
+
+def tiny_batches(vocab: int, n: int = 2, batch: int = 4, seq: int = 16):
+    g = torch.Generator().manual_seed(7)
+    ids = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+    return [(x, torch.roll(x, -1, dims=1)) for x in ids]
+
+
+@pytest.mark.slow
+def test_fit_trains_in_two_processes_and_loads_the_trained_weights_back():
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = nbtrain.fit(model, tiny_batches(512), plan="dp_shard=2 ac", steps=4, num_processes=2, lr=1e-2,
+                         progress=False)
+    assert len(result.records) == 4 and result.losses[-1] < result.losses[0]
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "measured step time" in str(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,plan,processes", [
+    ("gpt-tiny", "dp_shard=2", 2),
+    ("llama-tiny", "0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2", 2),
+    ("llama-tiny", "pp=2 mb=2 | dp_shard=2", 4),
+])
+def test_verify_finds_the_same_training_in_losses_and_weights(model, plan, processes):
+    report = verify(model, plan, processes=processes, steps=4)
+    assert report.ok, str(report)
+
+
+def test_a_plan_the_model_cannot_run_is_refused_before_anything_is_launched():
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")  # ties its head to the embedding
+    with pytest.raises(InvalidPlanError, match="cannot sit in different pipeline stages"):
+        nbtrain.fit(model, tiny_batches(512), plan="pp=2 mb=2", steps=1, num_processes=2)
+    with pytest.raises(InvalidPlanError, match="the plan is for 4 devices but 2 processes"):
+        plan = nbtrain.Plan.parse("dp_shard=4", num_devices=4, num_layers=6, global_batch=4)
+        nbtrain.fit(model, tiny_batches(512), plan=plan, steps=1, num_processes=2)
+
+
+@pytest.mark.slow
+def test_verify_command_exits_0_when_the_plan_trains_like_one_process(capsys):
+    assert main(["verify", "gpt-tiny", "--strategy", "dp_replicate=2", "--processes", "2", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "SAME TRAINING" in out and "relative difference" in out
+
+
+def test_verify_command_with_a_malformed_strategy_exits_2(capsys):
+    assert main(["verify", "gpt-tiny", "--strategy", "tp=zz", "--processes", "2"]) == 2
+    assert "nbtrain: error: 'tp=zz'" in capsys.readouterr().err
