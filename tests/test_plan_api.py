@@ -125,3 +125,14 @@ def test_plan_command_rejects_zero_gpus(capsys):
         main(["plan", "gpt-tiny", "--gpus", "0", "--batch", "8"])
     assert exit_info.value.code == 2
     assert "--gpus: must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_a_model_nbtrain_cannot_split_by_tp_gets_plans_without_tp_and_a_note_saying_why():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+    profile = nbtrain.profile(transformers.GPT2LMHeadModel(cfg), batch_size=1, seq_len=128)
+    best = nbtrain.plan(profile, h100s(n=4), global_batch=8, seq_len=128)
+    assert all(s.tp == 1 for p in (best, *best.alternatives) for s in p.layers)
+    assert any("fused q|k|v" in note for note in best.notes) and "note: tensor parallelism" in str(best.table())
+    with pytest.raises(InvalidPlanError, match="tp=2, but GPT-2's fused"):
+        nbtrain.plan(profile, h100s(n=4), global_batch=8, seq_len=128, strategy="tp=2")

@@ -43,6 +43,8 @@ class ModelFamily:
     """Anything the user should know about how the model was read."""
     fake_tracing: Callable[[], ContextManager] = nullcontext
     """Context to enter while the profiler traces the model on fake tensors (see :func:`_hf_unpacked_batches`)."""
+    no_tensor_parallel: str = ""
+    """Why nbtrain cannot split this family's layers by tensor parallelism (empty: it can)."""
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.get_submodule(self.blocks_path)) if self.blocks_path else []
@@ -87,7 +89,9 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
     path = next((p for p in hf_paths[model_type] if _has_submodule(model, p)), None)
     if model_type == "gpt2":
         return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
-                           config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)
+                           config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches,
+                           no_tensor_parallel="GPT-2's fused q|k|v projection (Conv1D c_attn) needs its own split, "
+                                              "which nbtrain does not have yet")
     return ModelFamily("hf-llama", path, config.vocab_size, config.max_position_embeddings, config.hidden_size,
                        config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
                        forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)
@@ -132,4 +136,5 @@ def detect_family(model: nn.Module) -> ModelFamily:
     embedding = _first(model, nn.Embedding)
     vocab = embedding.num_embeddings if embedding is not None else None
     note = "" if path else "no list of repeated blocks found: profiled as one layer"
-    return ModelFamily("generic", path, vocab_size=vocab, note=note)
+    return ModelFamily("generic", path, vocab_size=vocab, note=note,
+                       no_tensor_parallel=f"nbtrain knows no tensor-parallel split of {type(model).__name__}'s layers")

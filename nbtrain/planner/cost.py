@@ -332,7 +332,10 @@ class CostModel:
             raise InvalidPlanError(f"the plan has {plan.num_layers} layers but {self.profile.model} has "
                                    f"{len(self.profile.layers)} (embeddings, blocks, head)")
         heads = self.profile.arch.get("n_kv_head") or self.profile.arch.get("n_head")
+        cannot = self.profile.arch.get("no_tensor_parallel")
         for i, s in enumerate(plan.layers):
+            if s.tp > 1 and cannot:
+                raise InvalidPlanError(f"layer {i}: tp={s.tp}, but {cannot}; use tp=1")
             if s.tp > 1 and heads and heads % s.tp:
                 raise InvalidPlanError(f"layer {i}: tp={s.tp} does not divide the {heads} attention heads "
                                        f"({self.profile.model}); use a tp that divides {heads}")

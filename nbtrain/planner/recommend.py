@@ -62,6 +62,9 @@ def baselines(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq
         if strategy.devices * pp != n or pp > len(profile.layers) or (name.startswith("TP=") and pp < 2):
             out.append(Baseline(name, None, "does not apply to this cluster"))
             continue
+        if strategy.tp > 1 and profile.arch.get("no_tensor_parallel"):
+            out.append(Baseline(name, None, profile.arch["no_tensor_parallel"]))
+            continue
         model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
                           options=options)
         variants = []
@@ -118,7 +121,9 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
     if not ranked:
         raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options))
     best, rest = ranked[0], tuple(ranked[1:top])
-    return best.replace(predicted=best.predicted, alternatives=rest)
+    notes = (f"tensor parallelism was not searched: {profile.arch['no_tensor_parallel']}",) \
+        if profile.arch.get("no_tensor_parallel") else ()
+    return best.replace(predicted=best.predicted, alternatives=rest, notes=notes)
 
 
 def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options) -> str:

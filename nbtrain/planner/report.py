@@ -77,6 +77,7 @@ def plan_table(plan: Plan) -> Table:
             table.footer.append(f"host memory for offloaded optimizer state: {format_bytes(host)} per device "
                                 f"(of {format_bytes(pred.host_budget_bytes)})")
         table.footer.append("activations include the transient peak of the largest layer's backward and recompute")
+    table.footer += [f"note: {note}" for note in plan.notes]
     return table
 
 

@@ -204,6 +204,7 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
     profile, cluster, batch = model.profile, model.cluster, model.global_batch
     n = len(profile.layers)
     heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
+    max_tp = 1 if profile.arch.get("no_tensor_parallel") else opts.max_tp
     pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
     tasks = []
     for pp in pps:
@@ -214,7 +215,7 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
             if batch % m:
                 continue
             space = [s for s in strategy_space(cluster.num_devices // pp, devices_per_node=cluster.devices_per_node,
-                                               max_tp=opts.max_tp, max_dp=batch // m,
+                                               max_tp=max_tp, max_dp=batch // m,
                                                offload_levels=opts.offload_levels, allow_ac=opts.allow_ac,
                                                zero_levels=opts.zero_levels)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)]

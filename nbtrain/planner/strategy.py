@@ -177,6 +177,8 @@ class Plan:
     """What the cost model predicts for this plan (an object with ``to_dict()``), or None. Opaque here."""
     alternatives: tuple = field(default=(), compare=False)
     """The next best plans the search found (each with its prediction), best first."""
+    notes: tuple = field(default=(), compare=False)
+    """What the planner wants the user to know (a dimension it could not search, and why)."""
 
     def __post_init__(self):
         n = _positive_int(self.num_devices, "num_devices", "the plan needs at least one device")
@@ -266,6 +268,7 @@ class Plan:
             changes["stages"] = ()
         changes.setdefault("predicted", None)
         changes.setdefault("alternatives", ())
+        changes.setdefault("notes", self.notes)
         return dataclasses.replace(self, **changes)
 
     # -- the compact form --------------------------------------------------------------------------------------
@@ -295,7 +298,8 @@ class Plan:
         return {"num_devices": self.num_devices, "layers": [s.to_dict() for s in self.layers], "pp": self.pp,
                 "microbatches": self.microbatches, "schedule": self.schedule, "stages": list(self.stages),
                 "global_batch": self.global_batch, "seq_len": self.seq_len, "model": self.model,
-                "predicted": predicted, "alternatives": [alt.to_dict() for alt in self.alternatives]}
+                "predicted": predicted, "alternatives": [alt.to_dict() for alt in self.alternatives],
+                "notes": list(self.notes)}
 
     @classmethod
     def from_dict(cls, d: dict, prediction_type=None) -> Plan:
@@ -312,6 +316,7 @@ class Plan:
         if fields.get("predicted") is not None and prediction_type is not None:
             fields["predicted"] = prediction_type(fields["predicted"])
         fields["alternatives"] = tuple(cls.from_dict(alt, prediction_type) for alt in d.get("alternatives", ()))
+        fields["notes"] = tuple(d.get("notes", ()))
         return cls(**fields)
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -187,6 +187,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
         layers.append(LayerProfile(layer_name, kind, owned[i], owned[i] * torch_dtype.itemsize, **exact,
                                    scaling=fits[i], tied=tuple(tied[i]), **measured))
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
+    arch["no_tensor_parallel"] = family.no_tensor_parallel
     return ModelProfile(
         model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
         dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),
