@@ -78,7 +78,8 @@ def _batch_source(data, steps: int) -> Callable[[int], tuple]:
     return lambda step: items[step % len(items)]
 
 
-def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss_fn, seed: int, progress: bool):
+def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss_fn, seed: int, progress: bool,
+            precision: str):
     """Runs in every process: parallelize, train, gather the weights to rank 0."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -96,7 +97,7 @@ def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss
                  for parent, attr in slots)
     parallelize(model, plan, meshes)
     trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=lr), loss_fn=loss_fn,
-                      clip_norm=clip_norm)
+                      clip_norm=clip_norm, precision=precision)
     rank0 = dist.get_rank() == 0
     bar = _progress(steps) if progress and rank0 else None
     records = []
@@ -133,10 +134,11 @@ def _progress(steps: int):
 
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, clip_norm: float | None = 1.0, loss_fn: Callable = lm_loss, seed: int = 0,
-        cluster=None, progress: bool = True) -> FitResult:
+        cluster=None, progress: bool = True, precision: str = "fp32") -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
-    machine) adds the predicted step time beside the measured one."""
+    machine) adds the predicted step time beside the measured one. ``precision="bf16"`` computes in bf16 with
+    fp32 master weights, optimizer state and gradient reduction."""
     from nbtrain.run.launch import launch
     from nbtrain.run.parallelize import check_plan, layer_modules
 
@@ -161,6 +163,6 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         predicted = nbtrain.estimate(plan, prof, cluster).step_time_s
     records, state = launch(_worker, model, plan, get_batch, steps, lr, clip_norm, loss_fn, seed, progress,
-                            num_processes=num_processes)
+                            precision, num_processes=num_processes)
     model.load_state_dict(state)
     return FitResult(plan, records, predicted, state)

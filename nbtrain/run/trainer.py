@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.mesh import PlanMeshes
+from nbtrain.run.mesh import PlanMeshes, device_type
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,14 @@ class Trainer:
 
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, optimizer: torch.optim.Optimizer, *,
                  loss_fn: Callable = lm_loss, clip_norm: float | None = None,
-                 lr_schedule: Callable[[int], float] | None = None):
+                 lr_schedule: Callable[[int], float] | None = None, precision: str = "fp32"):
+        if precision not in ("fp32", "bf16"):
+            raise InvalidArgumentError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
         self.model, self.plan, self.meshes, self.optimizer = model, plan, meshes, optimizer
         self.loss_fn, self.clip_norm = loss_fn, clip_norm
+        # bf16: compute in bf16 under autocast, weights and optimizer state stay fp32 (the master copy), and FSDP2
+        # reduces gradients in fp32 (its default for fp32 parameters)
+        self.autocast = torch.autocast(device_type=device_type(), dtype=torch.bfloat16, enabled=precision == "bf16")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
         self.steps_done = 0
         self.pipeline = None
@@ -111,7 +116,8 @@ class Trainer:
         first = self.plan.stage_ranges()[self.meshes.stage][0]
         ids, targets = self._local_rows(ids, first), self._local_rows(targets, self.plan.num_layers - 1)
         if self.pipeline is not None:
-            loss = self.pipeline.step(ids, targets)
+            with self.autocast:
+                loss = self.pipeline.step(ids, targets)
             # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
             # held by its D / dp tensor-parallel ranks: the sum over the world / D is the mean over the slices
             total = loss if loss is not None else torch.zeros(())
@@ -138,7 +144,8 @@ class Trainer:
         for i, (x, y) in enumerate(zip(ids.chunk(m), targets.chunk(m))):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce once, after the last one
                 self.model.set_requires_gradient_sync(i == m - 1)
-            loss = self.loss_fn(self.model(x), y) / m
+            with self.autocast:
+                loss = self.loss_fn(self.model(x), y) / m
             loss.backward()
             total += loss.detach()
         return total
