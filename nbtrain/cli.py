@@ -1,5 +1,6 @@
 """``nbtrain`` on the command line.
 
+    $ nbtrain demo                                            # profile, plan, train here: the whole path
     $ nbtrain profile llama-70b --batch 1 --seq 4096          # table of layers, FLOPs and memory
     $ nbtrain profile gpt2 --json                             # the same as JSON
     $ nbtrain profile mypkg.models:build --measure            # time the layers on this machine too
@@ -77,6 +78,26 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--seq", type=_positive_int, default=32, help="tokens per sequence (default 32)")
     v.set_defaults(run=_verify)
 
+    d = sub.add_parser("demo", help="profile and plan GPT-2 for a cluster, then train a small GPT here under a plan",
+                       description="The whole path: profile GPT-2, plan it for the described cluster, then plan and "
+                                   "train a small GPT on this machine, printing losses and measured vs predicted time.")
+    d.add_argument("--gpus", type=_positive_int, default=8, help="devices of the described cluster (default 8)")
+    d.add_argument("--gpu", default="H100", help="device of the described cluster (default H100)")
+    d.add_argument("--memory", default=None, help="memory per device of the described cluster (default: the device's)")
+    d.add_argument("--processes", type=_positive_int, default=2, help="processes to train with here (default 2)")
+    d.add_argument("--steps", type=_positive_int, default=10, help="training steps here (default 10)")
+    d.set_defaults(run=_demo)
+
+    r = sub.add_parser("run", usage="nbtrain run SCRIPT [--plan PLAN] [--processes N] [-- SCRIPT ARGS ...]",
+                       help="run a training script in worker processes, with a plan file available",
+                       description="Run SCRIPT in N processes of one process group (forked through accelerate; under "
+                                   "torchrun or accelerate launch it simply runs). The plan's path is in "
+                                   "NBTRAIN_PLAN; read it with nbtrain.run.launch.current_plan().")
+    r.add_argument("script", help="a Python file")
+    r.add_argument("--plan", default=None, help="a plan JSON file (nbtrain plan ... --json > plan.json)")
+    r.add_argument("--processes", type=_positive_int, default=None, help="processes (default: the plan's devices)")
+    r.set_defaults(run=_run_script)
+
     c = sub.add_parser("cluster", help="describe a cluster from the device catalog, or measure this machine")
     c.add_argument("device", nargs="?", default=None, help="catalog name (H100, A100-80GB, ...); omit with --detect")
     c.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
@@ -118,6 +139,35 @@ def _plan(args) -> None:
     print(best.summary(label="evaluated" if args.strategy else "recommended"))
 
 
+def _demo(args) -> None:
+    from nbtrain.demo import run
+
+    run(gpus=args.gpus, gpu=args.gpu, memory=args.memory, processes=args.processes, steps=args.steps)
+
+
+def _run_script(args) -> None:
+    import os
+    import pathlib
+
+    from nbtrain.run.launch import launch, run_script
+
+    if not pathlib.Path(args.script).is_file():
+        raise NbtrainError(f"no such script: {args.script}")
+    processes = args.processes
+    if args.plan:
+        from nbtrain.planner.strategy import Plan
+
+        try:
+            data = json.loads(pathlib.Path(args.plan).read_text())
+            data.pop("baselines", None)  # `nbtrain plan --json` adds the baselines beside the plan
+            plan = Plan.from_dict(data)
+        except (OSError, ValueError) as exc:
+            raise NbtrainError(f"cannot read the plan {args.plan}: {exc}") from None
+        processes = processes or plan.num_devices
+        os.environ["NBTRAIN_PLAN"] = str(pathlib.Path(args.plan).resolve())
+    launch(run_script, args.script, args.script_args, num_processes=processes or 1)
+
+
 def _verify(args) -> int:
     from nbtrain.run.verify import verify
 
@@ -140,7 +190,16 @@ def _cluster(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = []
+    if "--" in argv:  # everything after -- belongs to the script of `nbtrain run`
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if script_args and args.command != "run":
+        parser.error("arguments after -- are only for 'nbtrain run SCRIPT -- ...'")
+    args.script_args = script_args
     try:
         status = args.run(args)
     except NbtrainError as exc:

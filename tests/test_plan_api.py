@@ -136,3 +136,11 @@ def test_a_model_nbtrain_cannot_split_by_tp_gets_plans_without_tp_and_a_note_say
     assert any("fused q|k|v" in note for note in best.notes) and "note: tensor parallelism" in str(best.table())
     with pytest.raises(InvalidPlanError, match="tp=2, but GPT-2's fused"):
         nbtrain.plan(profile, h100s(n=4), global_batch=8, seq_len=128, strategy="tp=2")
+
+
+def test_a_tied_embedding_and_head_get_one_stage_the_same_strategy_and_no_tp():
+    profile = nbtrain.profile("gpt2", batch_size=1, seq_len=1024)  # GPT-2 ties its output head to the embedding
+    for memory in ("4GiB", "24GiB"):
+        best = nbtrain.plan(profile, h100s(memory=memory), global_batch=64, seq_len=1024)
+        for p in (best, *best.alternatives):
+            assert p.pp == 1 and p.layers[0] == p.layers[-1] and p.layers[0].tp == 1, str(p)

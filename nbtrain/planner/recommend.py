@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, search
+from nbtrain.planner.search import SearchOptions, respects_ties, search
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -116,7 +116,7 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
     # the baselines are plans too: the recommendation is never slower than one that fits
     known = [b.plan for b in baselines(profile, cluster, global_batch=global_batch, seq_len=seq_len,
                                        memory=budget, cost_options=cost_options)
-             if b.fits and b.options == cost_options]
+             if b.fits and b.options == cost_options and respects_ties(profile, b.plan)]
     ranked = sorted(found + [p for p in known if p not in found], key=lambda p: p.predicted.step_time_s)
     if not ranked:
         raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options))

@@ -16,7 +16,7 @@ the ``top`` plans found.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -61,8 +61,11 @@ class _Task:
 class _Solver:
     """Everything one task needs: per-layer cost arrays, cached stage frontiers, the partition."""
 
-    def __init__(self, model: CostModel, task: _Task, budget: float, kinds: list[int], grid: float):
+    def __init__(self, model: CostModel, task: _Task, budget: float, kinds: list[int], grid: float,
+                 forced: dict[int, int] | None = None):
         self.model, self.task, self.budget, self.grid = model, task, budget, grid
+        self.forced = forced or {}
+        """Layer index → the one strategy index it must take (a tied embedding and head share one)."""
         self.profile = model.profile
         self.kind = kinds  # layers of equal kind cost the same: they share tables and cached frontiers
         reps = {k: kinds.index(k) for k in sorted(set(kinds))}
@@ -87,12 +90,18 @@ class _Solver:
         the total (≤ pp × budget, with one micro-batch in flight) only enlarges the set of plans; for any λ ≥ 0,
         ``Σ_layers min_j (t_j + λ·m_j) − λ·pp·budget`` then bounds the sum of stage times from below.
         """
-        counts = {k: self.kind.count(k) for k in self.costs}
         lambdas = np.concatenate([[0.0], np.geomspace(1e-15, 1e-6, 40)])  # seconds per byte
         bound = np.full(len(lambdas), -lambdas * self.task.pp * self.budget)
-        for k, n in counts.items():
-            res = self.resident(k, 1)
-            bound += n * np.min(self.time[k][None, :] + lambdas[:, None] * res[None, :], axis=1)
+        best = {}
+        for i, k in enumerate(self.kind):
+            res, time = self.resident(k, 1), self.time[k]
+            if i in self.forced:  # a layer with one allowed strategy contributes exactly that strategy
+                j = self.forced[i]
+                bound += time[j] + lambdas * res[j]
+                continue
+            if k not in best:
+                best[k] = np.min(time[None, :] + lambdas[:, None] * res[None, :], axis=1)
+            bound += best[k]
         per_microbatch = max(float(bound.max()), 0.0)
         return per_microbatch * (1 + (self.task.microbatches - 1) / self.task.pp)
 
@@ -143,7 +152,7 @@ class _Solver:
             self._cache[key] = prev
             return prev
         k = self.kind[end - 1]
-        use = self.useful[k]
+        use = np.array([self.forced[end - 1]]) if end - 1 in self.forced else self.useful[k]
         result = prev.extend(self.resident(k, in_flight)[use], self.transient[k][use], self.time[k][use],
                              self.task.layout_of[use], self.relayout[k], self.budget, self.grid, use)
         self._cache[key] = result
@@ -240,8 +249,18 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
     kinds = _layer_kinds(profile)
     # visit tasks by a lower bound on their step time (no memory limit, no re-layouts or transfers)
     grid = budget / options.memory_grid if options.memory_grid else 0.0
-    solvers = sorted((_Solver(model, task, budget, kinds, grid) for task in _tasks(model, options)),
-                     key=lambda solver: solver.lower_bound)
+    tied = len(profile.layers) > 1 and bool(profile.layers[-1].tied)
+    if tied:  # the executor keeps a shared weight in one FSDP group, in one stage, unsplit by TP
+        options = replace(options, pp_degrees=(1,))
+    solvers = []
+    for task in _tasks(model, options):
+        if not tied:
+            solvers.append(_Solver(model, task, budget, kinds, grid))
+            continue
+        last = len(profile.layers) - 1
+        shared = [j for j, s in enumerate(task.space) if s.tp == 1]
+        solvers += [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
+    solvers.sort(key=lambda solver: solver.lower_bound)
     for solver in solvers:
         if len(found) >= top and solver.lower_bound >= found[top - 1][0]:
             break
@@ -257,6 +276,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
                     stages=tuple(e - a for a, e in ranges), global_batch=global_batch,
                     seq_len=model.seq_len, model=profile.model)
         prediction = model.estimate(plan)
+        if any(plan == other for _, other in found):
+            continue
         found.append((prediction.step_time_s, plan.replace(predicted=prediction)))
         found.sort(key=lambda x: x[0])
     return [plan for _, plan in found[:top]]
@@ -291,3 +312,11 @@ def _tidy(chosen: list[int], task: _Task, kinds: list[int], ranges: list[tuple[i
                 out[start:i] = sorted(out[start:i])
                 start = i
     return out
+
+
+def respects_ties(profile: ModelProfile, plan: Plan) -> bool:
+    """Whether a plan keeps a tied embedding and head together: one stage, no TP, the same strategy."""
+    if len(profile.layers) < 2 or not profile.layers[-1].tied:
+        return True
+    first, last = plan.layers[0], plan.layers[-1]
+    return plan.pp == 1 and first == last and first.tp == 1

@@ -335,3 +335,32 @@ def _port_is_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """Run a Python file as ``__main__`` with ``sys.argv = [path, *argv]`` (what ``nbtrain run`` does per rank)."""
+    import runpy
+
+    saved = sys.argv
+    sys.argv = [path, *argv]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = saved
+
+
+def current_plan():
+    """The plan ``nbtrain run --plan plan.json`` was given (``NBTRAIN_PLAN``), or None.
+
+        >>> plan = current_plan()     # in a script started by `nbtrain run train.py --plan plan.json`
+    """
+    from nbtrain.planner.strategy import Plan
+
+    path = os.environ.get("NBTRAIN_PLAN")
+    if not path:
+        return None
+    import json
+
+    data = json.loads(Path(path).read_text())
+    data.pop("baselines", None)  # `nbtrain plan --json` writes them beside the plan
+    return Plan.from_dict(data)

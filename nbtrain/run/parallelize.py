@@ -134,6 +134,11 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
     if len(layers) != plan.num_layers:
         raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(layers)} "
                                "(embeddings, blocks, head)")
+    offloaded = [i for i, s in enumerate(plan.layers) if s.offload > 0]
+    if offloaded:
+        raise InvalidPlanError(f"layer {offloaded[0]} asks for offload={plan.layers[offloaded[0]].offload:g}, but the "
+                               "executor does not run the CPU update offload yet; plan with "
+                               "SearchOptions(offload_levels=(0.0,)) or remove 'offload=' from the plan")
     tied = _tied(layers)
     if tied:
         first, last = plan.layers[0], plan.layers[-1]
