@@ -1,27 +1,33 @@
 """The executor's speed: nbtrain against plain DDP on the same work, and the cost model against measured steps.
 
-    NBTRAIN_NONINTERACTIVE=1 python bench/executor.py        # ~3 min on 2 cores; record it in bench/RESULTS.md
+    NBTRAIN_NONINTERACTIVE=1 python bench/executor.py   # ~3.5 min on 2 cores; tables on stdout, torch's warnings on stderr
 
-1. **Overhead.** One small GPT (untied head, fp32, AdamW), one list of global batches, 2 processes forked by
-   ``nbtrain.launch`` in both cases: ``nbtrain.fit(plan="dp_replicate=2")`` and ``plan="dp_shard=2"`` (FSDP2),
+1. **nbtrain vs DDP.** One small GPT (untied head, fp32, AdamW), one list of global batches, 2 processes forked
+   by ``nbtrain.launch`` in every case: ``nbtrain.fit(plan="dp_replicate=2")`` and ``plan="dp_shard=2"`` (FSDP2)
    against a function under ``nbtrain.launch`` that wraps the model in ``DistributedDataParallel``, takes its half
-   of each global batch and times the same step as nbtrain's ``Trainer``: forward, ``lm_loss``, backward, AdamW
-   step, zero_grad, and an all-reduce of the loss. Clipping is off on both sides (it is its own row: nbtrain
-   clips by the norm over every mesh, DDP with ``clip_grad_norm_``). A third column runs the same FSDP2 wrapping
-   (``nbtrain.run.parallelize``) under the DDP loop, which separates FSDP2's own cost from the Trainer's.
-   Each variant runs ``ROUNDS`` times, interleaved, so a slow minute of the machine hits all of them.
-2. **Cost model.** Each plan runs through ``nbtrain.fit(..., cluster=...)`` with a cluster measured on this
+   of each global batch and times what nbtrain's ``Trainer`` does in a step: forward, ``lm_loss``, backward,
+   AdamW step, zero_grad, and an all-reduce of the loss. Clipping is off on both sides, then on (nbtrain clips by
+   the norm over every mesh; DDP with ``clip_grad_norm_``).
+2. **Where the time goes.** The same plain loop, timed phase by phase, over DDP and over FSDP2 wrapped as nbtrain
+   wraps it (``nbtrain.run.parallelize``): what FSDP2 costs, apart from nbtrain's ``Trainer``; and one AdamW
+   step alone over plain tensors and over FSDP2's DTensors, for each AdamW implementation.
+3. **Cost model.** Each plan runs through ``nbtrain.fit(..., cluster=...)`` with a cluster measured on this
    machine (``Cluster.detect(calibrate=True, allreduce=True)``: one-thread matmul, copy and AdamW rates, gloo
    all-reduce bandwidth). The cost model was written for GPUs; nothing is tuned to make the CPU numbers agree.
 
 Step times are medians over the steps after ``WARMUP`` (the first steps pay FSDP2's lazy initialisation and the
-first gloo connections). Every worker runs one intra-op thread (``nbtrain.launch`` sets it), so 2 processes use
-the 2 cores and 4 processes share them.
+first gloo connections). Sections 1 and 2 run every variant ``ROUNDS`` times, interleaved, so a busy minute of the
+machine hits all of them; a variant's time is its fastest run (the least disturbed), and every run is printed.
+The machine may be shared: each run also records how many cores *other* processes kept busy meanwhile
+(``/proc/stat`` minus this process and its workers), and a disturbed run is marked with ``*``.
+Every worker runs one intra-op thread (``nbtrain.launch`` sets it): 2 processes use the 2 cores, 4 share them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import platform
 import statistics
@@ -38,13 +44,14 @@ from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.table import Table  # noqa: E402
 from nbtrain.units import format_count, format_seconds  # noqa: E402
 
-# ~6 M parameters: a step of 8 × 128 tokens takes ~100 ms per process on one core. Untied, so tp and pp run too.
+# 2.6 M parameters; a step of 8 × 128 tokens takes ~110 ms under DDP on these 2 cores. Untied, so tp and pp run too.
 CONFIG = GPTConfig(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_embd=192, tie_embeddings=False)
 BATCH, SEQ = 8, 128
-STEPS, WARMUP, ROUNDS = 14, 4, 2
+STEPS, WARMUP, ROUNDS = 16, 3, 4
 LR = 3e-4
+PHASES = ("forward + loss", "backward", "clip", "AdamW + zero_grad", "loss all-reduce")
 
-PLANS = [  # (plan, processes)
+PLANS = [  # (plan, processes) for the cost-model table
     ("dp_replicate=2", 2),
     ("dp_shard=2", 2),
     ("dp_shard=2 ac", 2),
@@ -61,90 +68,209 @@ def make_batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, torch.roll(x, -1, dims=1)) for x in ids]
 
 
-def median_after_warmup(seconds: list[float]) -> float:
-    return statistics.median(seconds[WARMUP:])
-
-
-def _bare_loop(model, batches, steps: int, fsdp_plan: str | None, clip: bool) -> list[float]:
-    """Runs in each of 2 workers: DDP (``fsdp_plan=None``) or nbtrain's FSDP2 wrapping, under the same plain loop."""
+def _bare_loop(model, batches, steps: int, wrapping: str, clip: bool) -> list[list[float]]:
+    """Runs in each of 2 workers: ``wrapping`` is ``"ddp"`` or a plan for nbtrain's parallelize;
+    the same plain loop for all. Returns, per step, the seconds of each of ``PHASES``."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    if fsdp_plan is None:
+    if wrapping == "ddp":
         net = DistributedDataParallel(model)
     else:
         from nbtrain.planner.strategy import Plan
         from nbtrain.run.mesh import PlanMeshes
         from nbtrain.run.parallelize import parallelize
 
-        plan = Plan.parse(fsdp_plan, num_devices=world, num_layers=CONFIG.n_layer + 2, global_batch=BATCH,
+        plan = Plan.parse(wrapping, num_devices=world, num_layers=CONFIG.n_layer + 2, global_batch=BATCH,
                           seq_len=SEQ)
         net = parallelize(model, plan, PlanMeshes(plan))
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR)  # as nbtrain.fit builds it
-    seconds = []
+    per_step = []
     for step in range(steps):
         ids, targets = batches[step % len(batches)]
-        started = time.perf_counter()
+        marks = [time.perf_counter()]
         x, y = ids.chunk(world)[rank], targets.chunk(world)[rank]
         loss = lm_loss(net(x), y)
+        marks.append(time.perf_counter())
         loss.backward()
-        if clip:
+        marks.append(time.perf_counter())
+        if clip:  # DDP's gradients are already whole on every rank: a local norm is the global one
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        marks.append(time.perf_counter())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
         total = loss.detach().clone()
         dist.all_reduce(total)  # the Trainer's loss average: the same collective on both sides
-        seconds.append(time.perf_counter() - started)
-    return seconds
+        marks.append(time.perf_counter())
+        per_step.append([b - a for a, b in zip(marks, marks[1:])])
+    return per_step
 
 
-def run_bare(model, batches, fsdp_plan: str | None = None, clip: bool = False) -> float:
-    seconds = nbtrain.launch(_bare_loop, copy.deepcopy(model), batches, STEPS, fsdp_plan, clip, num_processes=2)
-    return median_after_warmup(seconds)
+def _busy_seconds() -> float:
+    """CPU seconds all processes of the machine have used since boot (``/proc/stat``), idle and iowait excluded."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (the workers ``launch`` forked and joined)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def with_others_load(fn):
+    """``fn()`` and the cores other processes kept busy meanwhile, on average (0 on a quiet machine). This machine
+    is shared: a test suite run by someone else takes one of the 2 cores, and a 2-worker step then takes ~2×."""
+    if not os.path.exists("/proc/stat"):  # not Linux: no way to tell
+        return fn(), 0.0
+    busy, own, started = _busy_seconds(), _own_seconds(), time.perf_counter()
+    value = fn()
+    wall = time.perf_counter() - started
+    return value, max(0.0, (_busy_seconds() - busy) - (_own_seconds() - own)) / wall
+
+
+def _quiet():
+    """Drops launch's "Launching 2 workers ..." line, printed for each of the ~40 launches."""
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+def run_bare(model, batches, wrapping: str = "ddp", clip: bool = False) -> tuple[float, list[float]]:
+    """Median step seconds after warm-up, and the median of each phase."""
+    with _quiet():
+        per_step = nbtrain.launch(_bare_loop, copy.deepcopy(model), batches, STEPS, wrapping, clip,
+                                  num_processes=2)[WARMUP:]
+    return statistics.median(sum(p) for p in per_step), [statistics.median(c) for c in zip(*per_step)]
 
 
 def run_fit(model, batches, plan: str, processes: int = 2, clip: bool = False, cluster=None):
-    result = nbtrain.fit(copy.deepcopy(model), batches, plan=plan, steps=STEPS, num_processes=processes, lr=LR,
-                         clip_norm=1.0 if clip else None, cluster=cluster, progress=False)
-    return median_after_warmup([r.seconds for r in result.records]), result
+    with _quiet():
+        result = nbtrain.fit(copy.deepcopy(model), batches, plan=plan, steps=STEPS, num_processes=processes,
+                             lr=LR, clip_norm=1.0 if clip else None, cluster=cluster, progress=False)
+    return statistics.median(r.seconds for r in result.records[WARMUP:]), result
 
 
-def overhead_table(model, batches) -> Table:
-    variants = {  # name → () -> median step seconds
-        "ddp": lambda: run_bare(model, batches),
-        "ddp clip": lambda: run_bare(model, batches, clip=True),
-        "fsdp2 loop dp_replicate=2": lambda: run_bare(model, batches, "dp_replicate=2"),
-        "fsdp2 loop dp_shard=2": lambda: run_bare(model, batches, "dp_shard=2"),
-        "fit dp_replicate=2": lambda: run_fit(model, batches, "dp_replicate=2")[0],
-        "fit dp_shard=2": lambda: run_fit(model, batches, "dp_shard=2")[0],
-        "fit dp_replicate=2 clip": lambda: run_fit(model, batches, "dp_replicate=2", clip=True)[0],
-    }
-    runs: dict[str, list[float]] = {name: [] for name in variants}
+ADAMW = {"default (for-loop on CPU)": {}, "foreach=True": {"foreach": True}, "fused=True": {"fused": True}}
+
+
+def _adamw_alone(model, repeats: int = 10) -> dict[tuple[str, str], float]:
+    """Runs in each of 2 workers: one AdamW step alone, over the model's parameters as plain tensors and as the
+    DTensors of nbtrain's dp_replicate=2 wrapping, for each implementation; median seconds."""
+    import torch.distributed as dist
+
+    from nbtrain.planner.strategy import Plan
+    from nbtrain.run.mesh import PlanMeshes
+    from nbtrain.run.parallelize import parallelize
+
+    found = {}
+    for wrapping in ("plain tensors", "FSDP2 dp_replicate=2"):
+        for impl, options in ADAMW.items():
+            net = copy.deepcopy(model)
+            if wrapping != "plain tensors":
+                plan = Plan.parse("dp_replicate=2", num_devices=dist.get_world_size(),
+                                  num_layers=CONFIG.n_layer + 2)
+                net = parallelize(net, plan, PlanMeshes(plan))
+            optimizer = torch.optim.AdamW(net.parameters(), lr=LR, **options)
+            for p in net.parameters():
+                p.grad = torch.full_like(p, 1e-3)
+            seconds = []
+            for _ in range(repeats + 2):
+                started = time.perf_counter()
+                optimizer.step()
+                seconds.append(time.perf_counter() - started)
+            found[wrapping, impl] = statistics.median(seconds[2:])
+    return found
+
+
+def adamw_table(model) -> Table:
+    with _quiet():
+        found, others = with_others_load(lambda: nbtrain.launch(_adamw_alone, model, num_processes=2))
+    t = Table(["AdamW", "plain tensors", "FSDP2 DTensors", "DTensor / plain"], align="lrrr")
+    t.title = (f"one AdamW step alone, {format_count(model.num_params())} params in "
+               f"{len(list(model.parameters()))} tensors, 2 processes (median of 10; others' load "
+               f"{others:.2f} cores)")
+    for impl in ADAMW:
+        plain, wrapped = found["plain tensors", impl], found["FSDP2 dp_replicate=2", impl]
+        t.add(impl, f"{plain * 1e3:.1f} ms", f"{wrapped * 1e3:.1f} ms", f"{wrapped / plain:.2f}")
+    t.footer.append("nbtrain.fit builds torch.optim.AdamW(model.parameters(), lr=lr): the default row")
+    return t
+
+
+VARIANTS = {  # name → (kind, argument, clip)
+    "ddp": ("bare", "ddp", False),
+    "ddp clip": ("bare", "ddp", True),
+    "fit dp_replicate=2": ("fit", "dp_replicate=2", False),
+    "fit dp_shard=2": ("fit", "dp_shard=2", False),
+    "fit dp_replicate=2 clip": ("fit", "dp_replicate=2", True),
+    "fit dp_shard=2 clip": ("fit", "dp_shard=2", True),
+    "fsdp2 dp_replicate=2": ("bare", "dp_replicate=2", False),
+    "fsdp2 dp_shard=2": ("bare", "dp_shard=2", False),
+}
+
+
+def measure_variants(model, batches) -> dict[str, list[tuple[float, list[float] | None, float]]]:
+    """Per variant, per round: (median step seconds, median seconds per phase or None, cores used by others)."""
+    runs: dict[str, list] = {name: [] for name in VARIANTS}
     for _ in range(ROUNDS):
-        for name, fn in variants.items():
-            runs[name].append(fn())
-    best = {name: statistics.median(v) for name, v in runs.items()}
+        for name, (kind, arg, clip) in VARIANTS.items():
+            if kind == "bare":
+                (step, phases), others = with_others_load(lambda: run_bare(model, batches, arg, clip))
+            else:
+                (step, _), others = with_others_load(lambda: run_fit(model, batches, arg, clip=clip))
+                phases = None
+            runs[name].append((step, phases, others))
+    return runs
 
-    def spread(name: str) -> str:
-        return " / ".join(format_seconds(t) for t in runs[name])
 
-    t = Table(["nbtrain", "step", "runs", "same wrapping, bare loop", "plain DDP", "nbtrain / DDP"],
-              align="lrrrrr")
-    t.title = (f"nbtrain vs DistributedDataParallel, 2 processes, {format_count(model.num_params())} params, "
-               f"{BATCH} × {SEQ} = {BATCH * SEQ} tokens/step, fp32, AdamW; median step after {WARMUP} warm-up, "
-               f"median of {ROUNDS} runs")
-    for plan, ddp in (("dp_replicate=2", "ddp"), ("dp_shard=2", "ddp")):
-        t.add(f"fit {plan}", format_seconds(best[f"fit {plan}"]), spread(f"fit {plan}"),
-              format_seconds(best[f"fsdp2 loop {plan}"]), format_seconds(best[ddp]),
-              f"{best[f'fit {plan}'] / best[ddp]:.3f}")
-    t.add("fit dp_replicate=2, clip_norm=1", format_seconds(best["fit dp_replicate=2 clip"]),
-          spread("fit dp_replicate=2 clip"), "", format_seconds(best["ddp clip"]),
-          f"{best['fit dp_replicate=2 clip'] / best['ddp clip']:.3f}")
-    t.footer.append(f"DDP runs: {spread('ddp')} (no clip), {spread('ddp clip')} (clip_grad_norm_); "
-                    f"bare FSDP2 dp_replicate=2: {spread('fsdp2 loop dp_replicate=2')}, "
-                    f"dp_shard=2: {spread('fsdp2 loop dp_shard=2')}")
+def _fastest(runs, name: str):
+    return min(runs[name], key=lambda r: r[0])
+
+
+BUSY = 0.1  # cores used by other processes above which a run is marked as disturbed
+
+
+def _all(runs, name: str) -> str:
+    return " ".join(f"{r[0] * 1e3:.0f}{'*' if r[2] > BUSY else ''}" for r in runs[name])
+
+
+def overhead_table(model, runs) -> Table:
+    t = Table(["nbtrain.fit", "step", "all runs, ms", "plain DDP", "all runs, ms", "nbtrain / DDP"], align="lrrrrr")
+    t.title = (f"nbtrain.fit vs DistributedDataParallel: 2 processes, {format_count(model.num_params())} params, "
+               f"{BATCH} × {SEQ} = {BATCH * SEQ} tokens/step, fp32, AdamW (fastest of {ROUNDS} runs, each the "
+               f"median of steps {WARMUP + 1}–{STEPS})")
+    for plan in ("dp_replicate=2", "dp_shard=2 (FSDP2)"):
+        for clip in (False, True):
+            name = f"fit {plan.split()[0]}" + (" clip" if clip else "")
+            ddp = "ddp clip" if clip else "ddp"
+            label = plan + (", clip_norm=1" if clip else "")
+            t.add(label, format_seconds(_fastest(runs, name)[0]), _all(runs, name),
+                  format_seconds(_fastest(runs, ddp)[0]), _all(runs, ddp),
+                  f"{_fastest(runs, name)[0] / _fastest(runs, ddp)[0]:.2f}")
+    t.footer.append("target: nbtrain within 5% of DDP (ratio ≤ 1.05) for pure data parallel")
+    loads = [r[2] for v in runs.values() for r in v]
+    t.footer.append(f"* other processes kept more than {BUSY} core busy during that run ({sum(x > BUSY for x in loads)}"
+                    f" of {len(loads)} runs; mean {statistics.mean(loads):.2f} cores, max {max(loads):.2f} of "
+                    f"{os.cpu_count()})")
+    return t
+
+
+def breakdown_table(runs) -> Table:
+    t = Table(["wrapping (plain loop)", *PHASES[:2], PHASES[3], PHASES[4], "step", "vs DDP"], align="lrrrrrr")
+    t.title = "where the time goes: median ms per phase, no clipping, same plain loop for all (fastest run of each)"
+    ddp = _fastest(runs, "ddp")[0]
+    rows = [("DDP", "ddp"), ("FSDP2 as nbtrain wraps dp_replicate=2 (HSDP, shard size 1, ZeRO-3)",
+                             "fsdp2 dp_replicate=2"),
+            ("FSDP2 as nbtrain wraps dp_shard=2 (ZeRO-3)", "fsdp2 dp_shard=2")]
+    for label, name in rows:
+        step, phases, _ = _fastest(runs, name)
+        t.add(label, *(f"{phases[i] * 1e3:.1f}" for i in (0, 1, 3, 4)), f"{step * 1e3:.1f}", f"{step / ddp:.2f}")
+    for label, name in (("nbtrain.fit dp_replicate=2 (Trainer)", "fit dp_replicate=2"),
+                        ("nbtrain.fit dp_shard=2 (Trainer)", "fit dp_shard=2")):
+        step = _fastest(runs, name)[0]
+        t.add(label, "", "", "", "", f"{step * 1e3:.1f}", f"{step / ddp:.2f}")
     return t
 
 
@@ -160,27 +286,33 @@ def clusters() -> dict[int, Cluster]:
 
 
 def prediction_table(model, batches, by_processes: dict[int, Cluster]) -> Table:
-    t = Table(["plan", "processes", "predicted", "measured", "measured / predicted"], align="lrrrr")
-    t.title = (f"cost model vs measured step, {format_count(model.num_params())} params, {BATCH} × {SEQ} tokens, "
-               f"fp32, clip_norm=1 (fit's default)")
+    t = Table(["plan", "processes", "predicted", "measured", "measured / predicted", "others' load"],
+              align="lrrrrr")
+    t.title = (f"cost model vs measured step: {format_count(model.num_params())} params, {BATCH} × {SEQ} tokens, "
+               f"fp32, clip_norm=1 (fit's default); one run each, median of steps {WARMUP + 1}–{STEPS}")
     for plan, processes in PLANS:
-        measured, result = run_fit(model, batches, plan, processes, clip=True, cluster=by_processes[processes])
+        (measured, result), others = with_others_load(
+            lambda: run_fit(model, batches, plan, processes, clip=True, cluster=by_processes[processes]))
         t.add(plan, processes, format_seconds(result.predicted_step_s), format_seconds(measured),
-              f"{measured / result.predicted_step_s:.2f}")
+              f"{measured / result.predicted_step_s:.2f}", f"{others:.2f} cores")
     for n, c in by_processes.items():
-        t.footer.append(f"{n} processes: {c.summary()} · AdamW {c.cpu_optimizer_rate / 1e6:.0f} M params/s per node"
-                        + (" (2 cores shared: per-device compute and copy halved)" if n > os.cpu_count() else ""))
+        shared = " (4 workers share 2 cores: per-device compute and copy halved)" if n > os.cpu_count() else ""
+        t.footer.append(f"{n} processes: {c.summary()} · AdamW {c.cpu_optimizer_rate / 1e6:.0f} M params/s per "
+                        f"node{shared}")
     return t
 
 
 def main() -> None:
     started = time.perf_counter()
     print(f"nbtrain executor benchmark — {platform.platform()}, {platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}\n")
+          f"torch {torch.__version__}\n", flush=True)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     batches = make_batches()
-    print(overhead_table(model, batches), "\n", flush=True)
+    runs = measure_variants(model, batches)
+    print(overhead_table(model, runs), "\n", flush=True)
+    print(breakdown_table(runs), "\n", flush=True)
+    print(adamw_table(model), "\n", flush=True)
     print(prediction_table(model, batches, clusters()))
     print(f"\ntotal {format_seconds(time.perf_counter() - started)}")
 
