@@ -240,14 +240,12 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
            memory: float | None = None, top: int = 3, options: SearchOptions = SearchOptions(),
            cost_options: CostOptions = CostOptions()) -> list[Plan]:
-    """The ``top`` fastest plans that fit, each with ``predicted`` set, best first (one per pp/m/schedule)."""
+    """The ``top`` fastest distinct plans that fit, each with ``predicted`` set, best first."""
     model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
                       options=cost_options)
     budget = model.budget - model.reserve
     found: list[tuple[float, Plan]] = []
-    solved_tasks = 0
     kinds = _layer_kinds(profile)
-    # visit tasks by a lower bound on their step time (no memory limit, no re-layouts or transfers)
     grid = budget / options.memory_grid if options.memory_grid else 0.0
     tied = len(profile.layers) > 1 and bool(profile.layers[-1].tied)
     if tied:  # the executor keeps a shared weight in one FSDP group, in one stage, unsplit by TP
@@ -259,12 +257,13 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
             continue
         last = len(profile.layers) - 1
         shared = [j for j, s in enumerate(task.space) if s.tp == 1]
-        solvers += [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
+        candidates = [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
+        solvers += [c for c in candidates if c.allowed[c.forced[0]]]  # its offload level must fit the host
+    # visit tasks by a lower bound on their step time (no memory limit, no re-layouts or transfers)
     solvers.sort(key=lambda solver: solver.lower_bound)
     for solver in solvers:
         if len(found) >= top and solver.lower_bound >= found[top - 1][0]:
             break
-        solved_tasks += 1
         task = solver.task
         solved = solver.solve()
         if solved is None:
