@@ -148,11 +148,12 @@ def _progress(steps: int):
 
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, clip_norm: float | None = 1.0, loss_fn: Callable = lm_loss, seed: int = 0,
-        cluster=None, progress: bool = True, precision: str = "fp32") -> FitResult:
+        cluster=None, progress: bool = True, precision: str = "fp32", timeout: float | None = None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine) adds the predicted step time beside the measured one. ``precision="bf16"`` computes in bf16 with
-    fp32 master weights, optimizer state and gradient reduction."""
+    fp32 master weights, optimizer state and gradient reduction. ``timeout`` (seconds) bounds the whole run and
+    every collective: past it the workers are killed and :class:`LaunchTimeoutError` is raised."""
     from nbtrain.run.launch import launch
     from nbtrain.run.parallelize import check_plan, layer_modules
 
@@ -177,6 +178,6 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         predicted = nbtrain.estimate(plan, prof, cluster).step_time_s
     records, state = launch(_worker, model, plan, get_batch, steps, lr, clip_norm, loss_fn, seed, progress,
-                            precision, num_processes=num_processes)
+                            precision, num_processes=num_processes, timeout=timeout)
     model.load_state_dict(state)
     return FitResult(plan, records, predicted, state)

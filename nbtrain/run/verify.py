@@ -81,7 +81,7 @@ def _build(model: str, seed: int):
 
 
 def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int = 32,
-           lr: float = 1e-2, seed: int = 0) -> VerifyReport:
+           lr: float = 1e-2, seed: int = 0, timeout: float = 600) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
     ``processes`` processes, from the same initial weights and batches; compare."""
     from nbtrain.run.fit import fit
@@ -102,7 +102,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
         reference.append(loss.item())
     parallel_model = _build(model, seed)
     result = fit(parallel_model, data, plan=plan, steps=steps, num_processes=processes, lr=lr, clip_norm=1.0,
-                 seed=seed, progress=False)
+                 seed=seed, progress=False, timeout=timeout)  # a hung worker fails the check, not the caller
     ref_state, got_state = reference_model.state_dict(), parallel_model.state_dict()
     keys = [k for k, v in ref_state.items() if v.is_floating_point()]
     apart = sum(float((got_state[k] - ref_state[k]).double().square().sum()) for k in keys) ** 0.5
