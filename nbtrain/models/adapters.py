@@ -86,7 +86,7 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
     hf_paths = {"gpt2": ("transformer.h", "h"), "llama": ("model.layers", "layers")}
     if model_type not in hf_paths:
         return None
-    path = next((p for p in hf_paths[model_type] if _has_submodule(model, p)), None)
+    path = next((p for p in hf_paths[model_type] if has_submodule(model, p)), None)
     if model_type == "gpt2":
         return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
                            config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches,
@@ -97,7 +97,7 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
                        forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)
 
 
-def _has_submodule(model: nn.Module, path: str) -> bool:
+def has_submodule(model: nn.Module, path: str) -> bool:
     try:
         model.get_submodule(path)
         return True

@@ -69,8 +69,19 @@ class CostOptions:
     """Bytes per gradient element in the data-parallel reduction (fp32, as the executor reduces)."""
 
 
+class _Sum:
+    """Fields that add up: ``total`` and field-wise ``+`` (for Memory and Time)."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other):
+        return type(self)(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
 @dataclass(frozen=True)
-class Memory:
+class Memory(_Sum):
     """Bytes per device, by what they hold."""
 
     params: float = 0.0
@@ -80,16 +91,9 @@ class Memory:
     transient: float = 0.0
     reserve: float = 0.0
 
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def __add__(self, other: "Memory") -> "Memory":
-        return Memory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
 
 @dataclass(frozen=True)
-class Time:
+class Time(_Sum):
     """Seconds per step, by what they are spent on (communication counts only where not hidden)."""
 
     compute: float = 0.0
@@ -100,13 +104,6 @@ class Time:
     relayout: float = 0.0
     pp_comm: float = 0.0
     bubble: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def __add__(self, other: "Time") -> "Time":
-        return Time(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def scaled(self, k: float) -> "Time":
         return Time(*(getattr(self, f.name) * k for f in fields(self)))

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.models.adapters import detect_family
+from nbtrain.models.adapters import detect_family, has_submodule
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.run.mesh import PlanMeshes
 from nbtrain.run.relayout import add_relayout
@@ -66,26 +66,18 @@ def _tensor_parallel(slots: list[tuple[nn.Module, str]], kind: str, family: str,
     if kind == "block":
         (parent, attr), = slots
         module = slot_module(parent, attr)
-        plan = {name: _tp_style(style) for name, style in BLOCK_TP[family].items() if _has(module, name)}
+        plan = {name: _tp_style(style) for name, style in BLOCK_TP[family].items() if has_submodule(module, name)}
         parallelize_module(module, mesh["tp"], plan)
         return
     for parent, attr in slots:
         module = slot_module(parent, attr)
-        if isinstance(module, nn.Embedding) or _has(module, "wte"):
+        if isinstance(module, nn.Embedding) or has_submodule(module, "wte"):
             # vocabulary-parallel embedding: each rank looks up its slice of the table, the partial rows are summed
             style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             parallelize_module(parent, mesh["tp"], {attr if isinstance(module, nn.Embedding) else f"{attr}.wte": style})
-        elif isinstance(module, nn.Linear) or _has(module, "lm_head"):
+        elif isinstance(module, nn.Linear) or has_submodule(module, "lm_head"):
             style = ColwiseParallel(output_layouts=Replicate())  # logits gathered for the loss
             parallelize_module(parent, mesh["tp"], {attr if isinstance(module, nn.Linear) else f"{attr}.lm_head": style})
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
 
 
 def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
