@@ -201,12 +201,9 @@ class CostModel:
         return float(self.profile.layers[layer].scaling[quantity](batch, self.seq_len)) if batch else 0.0
 
     def _hidden(self, layer: int, batch: float) -> float:
-        """Bytes of the hidden state entering ``layer`` (what TP collectives and re-layouts move)."""
-        if self.profile.layers[layer].kind == "head" and layer > 0:
-            return self._eval(layer - 1, "output_bytes", batch)
-        if layer == 0:
-            return self._eval(0, "output_bytes", batch)
-        return self._eval(layer - 1, "output_bytes", batch)
+        """Bytes of the hidden state entering ``layer`` (what TP collectives and re-layouts move); for the first
+        layer, whose input is token ids, the hidden state it produces."""
+        return self._eval(max(layer - 1, 0), "output_bytes", batch)
 
     def _bandwidth(self, span: int) -> float:
         c = self.cluster
