@@ -154,6 +154,7 @@ class _Worker:
     def __init__(self, fn, args, kwargs, num_processes, workdir, backend, pg_timeout):
         self.fn, self.args, self.kwargs, self.num_processes = fn, args, kwargs, num_processes
         self.workdir, self.backend, self.pg_timeout = Path(workdir), backend, pg_timeout
+        self.all_forked = multiprocessing.get_context("fork").Barrier(num_processes)
         self.stdout = sys.stdout  # the cell's own stream (ipykernel forwards a forked child's writes to it)
         # elastic names the run (and its error reports) after the entrypoint's __name__/__qualname__
         self.__name__ = self.__qualname__ = getattr(fn, "__name__", type(fn).__name__)
@@ -172,6 +173,10 @@ class _Worker:
             signal.signal(sig, signal.SIG_DFL)
         rank = int(os.environ["RANK"])
         try:
+            # No rank talks to the agent's store before the agent has forked every rank. The store's server thread
+            # in the parent resolves a connecting peer's address (getnameinfo, under glibc's resolver lock); a rank
+            # forked at that moment inherits the lock held, and its own first getnameinfo waits on it forever.
+            self._wait_until_all_forked(rank)
             result = _run_in_group(self.fn, self.args, self.kwargs, self.num_processes, self.pg_timeout,
                                    self.backend)
             if rank == 0:  # write then rename: the parent never reads half a file
@@ -183,6 +188,14 @@ class _Worker:
             report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
             (self.workdir / f"rank{rank}.err").write_text(f"{time.time()!r}\n{''.join(report.format())}")
             raise
+
+
+    def _wait_until_all_forked(self, rank: int) -> None:
+        try:
+            self.all_forked.wait(timeout=min(self.pg_timeout.total_seconds(), 300))
+        except threading.BrokenBarrierError:
+            raise LaunchError(f"rank {rank}: not all {self.num_processes} workers started; the machine may be out "
+                              "of memory or processes") from None
 
 
 def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
