@@ -2,14 +2,16 @@
 
     NBTRAIN_NONINTERACTIVE=1 python bench/executor.py   # ~3.5 min on 2 cores; tables on stdout, torch's warnings on stderr
 
-1. **nbtrain vs DDP.** One small GPT (untied head, fp32, AdamW), one list of global batches, 2 processes forked
-   by ``nbtrain.launch`` in every case: ``nbtrain.fit(plan="dp_replicate=2")`` and ``plan="dp_shard=2"`` (FSDP2)
+1. **nbtrain vs DDP.** One small GPT (untied head, fp32, fused AdamW), one list of global batches, 2 processes
+   forked by ``nbtrain.launch`` in every case: ``nbtrain.fit(plan="dp_replicate=2")`` (DDP under nbtrain's
+   ``Trainer``) and ``plan="dp_shard=2"`` (FSDP2)
    against a function under ``nbtrain.launch`` that wraps the model in ``DistributedDataParallel``, takes its half
    of each global batch and times what nbtrain's ``Trainer`` does in a step: forward, ``lm_loss``, backward,
    AdamW step, zero_grad, and an all-reduce of the loss. Clipping is off on both sides, then on (nbtrain clips by
    the norm over every mesh; DDP with ``clip_grad_norm_``).
-2. **Where the time goes.** The same plain loop, timed phase by phase, over DDP and over FSDP2 wrapped as nbtrain
-   wraps it (``nbtrain.run.parallelize``): what FSDP2 costs, apart from nbtrain's ``Trainer``; and one AdamW
+2. **Where the time goes.** The same plain loop, timed phase by phase, over DDP and over the model as
+   ``nbtrain.run.parallelize`` wraps it (DDP for dp_replicate=2, FSDP2 for dp_shard=2): what the wrapping costs,
+   apart from nbtrain's ``Trainer``; and one AdamW
    step alone over plain tensors and over FSDP2's DTensors, for each AdamW implementation.
 3. **Cost model.** Each plan runs through ``nbtrain.fit(..., cluster=...)`` with a cluster measured on this
    machine (``Cluster.detect(calibrate=True, allreduce=True)``: one-thread matmul, copy and AdamW rates, gloo
@@ -86,7 +88,9 @@ def _bare_loop(model, batches, steps: int, wrapping: str, clip: bool) -> list[li
         plan = Plan.parse(wrapping, num_devices=world, num_layers=CONFIG.n_layer + 2, global_batch=BATCH,
                           seq_len=SEQ)
         net = parallelize(model, plan, PlanMeshes(plan))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=LR)  # as nbtrain.fit builds it
+    from nbtrain.run.fit import _by_mesh
+
+    optimizer = torch.optim.AdamW(_by_mesh(net), lr=LR, fused=True)  # as nbtrain.fit builds it, for both sides
     per_step = []
     for step in range(steps):
         ids, targets = batches[step % len(batches)]
@@ -158,7 +162,8 @@ ADAMW = {"default (for-loop on CPU)": {}, "foreach=True": {"foreach": True}, "fu
 
 def _adamw_alone(model, repeats: int = 10) -> dict[tuple[str, str], float]:
     """Runs in each of 2 workers: one AdamW step alone, over the model's parameters as plain tensors and as the
-    DTensors of nbtrain's dp_replicate=2 wrapping, for each implementation; median seconds."""
+    DTensors of FSDP2 (nbtrain's dp_shard=2 wrapping: each rank holds half of each tensor), for each
+    implementation; median seconds."""
     import torch.distributed as dist
 
     from nbtrain.planner.strategy import Plan
@@ -166,11 +171,11 @@ def _adamw_alone(model, repeats: int = 10) -> dict[tuple[str, str], float]:
     from nbtrain.run.parallelize import parallelize
 
     found = {}
-    for wrapping in ("plain tensors", "FSDP2 dp_replicate=2"):
+    for wrapping in ("plain tensors", "FSDP2 dp_shard=2"):
         for impl, options in ADAMW.items():
             net = copy.deepcopy(model)
             if wrapping != "plain tensors":
-                plan = Plan.parse("dp_replicate=2", num_devices=dist.get_world_size(),
+                plan = Plan.parse("dp_shard=2", num_devices=dist.get_world_size(),
                                   num_layers=CONFIG.n_layer + 2)
                 net = parallelize(net, plan, PlanMeshes(plan))
             optimizer = torch.optim.AdamW(net.parameters(), lr=LR, **options)
@@ -188,14 +193,14 @@ def _adamw_alone(model, repeats: int = 10) -> dict[tuple[str, str], float]:
 def adamw_table(model) -> Table:
     with _quiet():
         found, others = with_others_load(lambda: nbtrain.launch(_adamw_alone, model, num_processes=2))
-    t = Table(["AdamW", "plain tensors", "FSDP2 DTensors", "DTensor / plain"], align="lrrr")
+    t = Table(["AdamW", "plain tensors", "FSDP2 DTensors (half each)", "DTensor / plain"], align="lrrr")
     t.title = (f"one AdamW step alone, {format_count(model.num_params())} params in "
                f"{len(list(model.parameters()))} tensors, 2 processes (median of 10; others' load "
                f"{others:.2f} cores)")
     for impl in ADAMW:
-        plain, wrapped = found["plain tensors", impl], found["FSDP2 dp_replicate=2", impl]
+        plain, wrapped = found["plain tensors", impl], found["FSDP2 dp_shard=2", impl]
         t.add(impl, f"{plain * 1e3:.1f} ms", f"{wrapped * 1e3:.1f} ms", f"{wrapped / plain:.2f}")
-    t.footer.append("nbtrain.fit builds torch.optim.AdamW(model.parameters(), lr=lr): the default row")
+    t.footer.append("nbtrain.fit builds AdamW(fused=True), one parameter group per kind of tensor: the fused row")
     return t
 
 
@@ -206,7 +211,7 @@ VARIANTS = {  # name → (kind, argument, clip)
     "fit dp_shard=2": ("fit", "dp_shard=2", False),
     "fit dp_replicate=2 clip": ("fit", "dp_replicate=2", True),
     "fit dp_shard=2 clip": ("fit", "dp_shard=2", True),
-    "fsdp2 dp_replicate=2": ("bare", "dp_replicate=2", False),
+    "nbtrain dp_replicate=2": ("bare", "dp_replicate=2", False),
     "fsdp2 dp_shard=2": ("bare", "dp_shard=2", False),
 }
 
@@ -261,8 +266,7 @@ def breakdown_table(runs) -> Table:
     t = Table(["wrapping (plain loop)", *PHASES[:2], PHASES[3], PHASES[4], "step", "vs DDP"], align="lrrrrrr")
     t.title = "where the time goes: median ms per phase, no clipping, same plain loop for all (fastest run of each)"
     ddp = _fastest(runs, "ddp")[0]
-    rows = [("DDP", "ddp"), ("FSDP2 as nbtrain wraps dp_replicate=2 (HSDP, shard size 1, ZeRO-3)",
-                             "fsdp2 dp_replicate=2"),
+    rows = [("DDP", "ddp"), ("nbtrain's parallelize, dp_replicate=2 (DDP)", "nbtrain dp_replicate=2"),
             ("FSDP2 as nbtrain wraps dp_shard=2 (ZeRO-3)", "fsdp2 dp_shard=2")]
     for label, name in rows:
         step, phases, _ = _fastest(runs, name)

@@ -86,7 +86,7 @@ def _worker(rank, world, port, build, plans, clip_norm, queue):
             plan = Plan.parse(text, num_devices=world, num_layers=len(layer_modules(model)), global_batch=BATCH,
                               seq_len=SEQ)
             meshes = PlanMeshes(plan)
-            parallelize(model, plan, meshes)
+            model = parallelize(model, plan, meshes)
             trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=1e-2),
                               clip_norm=clip_norm)
             results[text] = [trainer.step(ids, targets).loss for ids, targets in batches()]

@@ -95,7 +95,7 @@ def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss
     # the weights this stage trains, by name: the other stages' layers here are untouched copies
     mine = tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_modules(model)[start:end]
                  for parent, attr in slots)
-    parallelize(model, plan, meshes)
+    model = parallelize(model, plan, meshes)
     # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
     # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
     optimizer = torch.optim.AdamW(_by_mesh(model), lr=lr, fused=True)
@@ -129,13 +129,9 @@ def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss
 
 def _by_mesh(model: nn.Module) -> list[dict]:
     """Parameter groups of one kind each: plain tensors, and DTensors per mesh (a fused kernel takes one kind)."""
-    from torch.distributed.tensor import DTensor
+    from nbtrain.run.trainer import group_by_kind
 
-    groups: dict = {}
-    for p in model.parameters():
-        key = (id(p.device_mesh), p.placements) if isinstance(p, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    return [{"params": params} for params in groups.values()]
+    return [{"params": params} for params in group_by_kind(list(model.parameters()))]
 
 
 def _progress(steps: int):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.strategy import Plan
@@ -48,23 +50,33 @@ def clip_grad_norm(parameters, max_norm: float, pipeline_group=None) -> float:
     """Clip the gradients of all ``parameters`` to a total norm of ``max_norm``; returns the norm before.
 
     Parameters may be DTensors on different meshes (TP × FSDP here, FSDP only there), which
-    ``torch.nn.utils.clip_grad_norm_`` cannot stack; each norm is made whole first (``full_tensor`` reduces the
-    shards), then combined as ``sqrt(Σ normᵢ²)``. A pipeline stage holds only its layers' gradients: the squares
-    are summed over ``pipeline_group`` too, so every stage clips by the norm of the whole model.
+    ``torch.nn.utils.clip_grad_norm_`` cannot stack. The gradients are grouped by kind (plain tensors; DTensors
+    per mesh and placement); each group's norm is one fused kernel and, for DTensors, one reduction of the shards'
+    partial norms; the groups combine as ``sqrt(Σ normᵢ²)``. A pipeline stage holds only its layers' gradients: the
+    squares are summed over ``pipeline_group`` too, so every stage clips by the norm of the whole model.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    groups = group_by_kind([p.grad for p in parameters if p.grad is not None])
     square = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        n = torch.linalg.vector_norm(g)
-        square += (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
+    for grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads)
+        square += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
     if pipeline_group is not None:
         dist.all_reduce(square, group=pipeline_group)
     total = math.sqrt(float(square))
-    scale = max_norm / (total + 1e-6)
+    scale = max_norm / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
     if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
+        for grads in groups:
+            torch._foreach_mul_(grads, scale)
     return total
+
+
+def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Plain tensors together, DTensors by (mesh, placements): the lists a foreach or fused kernel takes whole."""
+    groups: dict = {}
+    for t in tensors:
+        key = (id(t.device_mesh), t.placements) if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
 
 
 def _peak_memory() -> int:
@@ -137,15 +149,21 @@ class Trainer:
         return StepRecord(self.steps_done, float(total) / per_stage, seconds, tokens / seconds, _peak_memory(),
                           norm)
 
+    def _gradient_sync(self, enabled: bool):
+        """Reduce gradients over data-parallel ranks only after the last micro-batch of a step."""
+        if isinstance(self.model, DistributedDataParallel):
+            return nullcontext() if enabled else self.model.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(enabled)
+        return nullcontext()
+
     def _accumulate(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradients accumulated; returns the mean loss of the rows."""
         m = self.plan.microbatches
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(ids.chunk(m), targets.chunk(m))):
-            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce once, after the last one
-                self.model.set_requires_gradient_sync(i == m - 1)
-            with self.autocast:
+            with self._gradient_sync(i == m - 1), self.autocast:
                 loss = self.loss_fn(self.model(x), y) / m
-            loss.backward()
+                loss.backward()
             total += loss.detach()
         return total
