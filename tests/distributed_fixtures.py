@@ -43,6 +43,15 @@ def hf_llama():
     return LlamaForCausalLM(config)
 
 
+def hf_gpt2():
+    """A transformers GPT-2 (tied embeddings, fused Conv1D attention) of a tiny config, dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return GPT2LMHeadModel(config)
+
+
 def batches(steps: int = STEPS):
     """Two fixed batches in turn: the model can learn them, so the losses move and a wrong gradient shows."""
     g = torch.Generator().manual_seed(1234)

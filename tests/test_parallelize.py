@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_fixtures import distributed_losses, gpt, hf_llama, llama, reference_losses
+from tests.distributed_fixtures import distributed_losses, gpt, hf_gpt2, hf_llama, llama, reference_losses
 
 TWO = ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2", "dp_shard=2 ac", "tp=2", "tp=2 ac",
        "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2", "mb=2 | dp_shard=2", "mb=4 | tp=2",
@@ -60,3 +60,32 @@ def test_transformers_llama_trains_with_the_losses_of_one_process(hf_runs, world
     reference, got = hf_runs["reference"], hf_runs[world][plan]
     assert got == pytest.approx(reference, rel=1e-4), f"{plan} on {world} processes"
     assert reference[-1] < reference[0]
+
+
+HF_GPT2_TWO = ["dp_replicate=2", "dp_shard=2 ac", "mb=2 | dp_shard=2 zero=2", "0: dp_shard=2; 1-2: dp_replicate=2 ac; 3: dp_shard=2"]
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2_runs():
+    pytest.importorskip("transformers")
+    return {"reference": reference_losses(hf_gpt2), 2: distributed_losses(hf_gpt2, HF_GPT2_TWO, world=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", HF_GPT2_TWO)
+def test_transformers_gpt2_trains_with_the_losses_of_one_process(hf_gpt2_runs, plan):
+    reference, got = hf_gpt2_runs["reference"], hf_gpt2_runs[2][plan]
+    assert got == pytest.approx(reference, rel=1e-4), plan
+    assert reference[-1] < reference[0]
+
+
+def test_a_model_without_a_tensor_parallel_split_refuses_tp_with_the_reason():
+    pytest.importorskip("transformers")
+    from nbtrain.errors import InvalidPlanError
+    from nbtrain.planner.strategy import Plan
+    from nbtrain.run.parallelize import check_plan
+
+    model = hf_gpt2()
+    plan = Plan.parse("0: dp_replicate=2; 1-2: tp=2; 3: dp_replicate=2", num_devices=2, num_layers=4)
+    with pytest.raises(InvalidPlanError, match="layer 1 asks for tp=2, but GPT-2's fused"):
+        check_plan(model, plan)

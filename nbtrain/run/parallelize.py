@@ -46,16 +46,22 @@ BLOCK_TP = {
 
 def layer_modules(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """For each profiled layer (embeddings, every block, the head), the ``(parent, attribute)`` slots of the
-    modules that hold it: one for nbtrain's GPT, two for a Hugging Face Llama's head (final norm, LM head)."""
+    modules that hold it: one for nbtrain's GPT; for Hugging Face models the head is the final norm and the LM
+    head, and GPT-2's embeddings are the token and the position tables."""
     family = detect_family(model)
     if family.name == "nbtrain-gpt":
         return [[(model, "embed")]] + [[(model.blocks, str(i))] for i in range(len(model.blocks))] + \
             [[(model, "head")]]
+    if family.name == "hf-gpt2":
+        inner = model.transformer
+        return [[(inner, "wte"), (inner, "wpe")]] + [[(inner.h, str(i))] for i in range(len(inner.h))] + \
+            [[(inner, "ln_f"), (model, "lm_head")]]
     if family.name == "hf-llama":
         inner = model.model
         return [[(inner, "embed_tokens")]] + [[(inner.layers, str(i))] for i in range(len(inner.layers))] + \
             [[(inner, "norm"), (model, "lm_head")]]
-    raise InvalidPlanError(f"the executor runs nbtrain's GPT and Hugging Face Llama models; {type(model).__name__} "
+    raise InvalidPlanError(f"the executor runs nbtrain's GPT and Hugging Face GPT-2 and Llama models; "
+                           f"{type(model).__name__} "
                            f"({family.name}) is not supported yet")
 
 
@@ -152,6 +158,11 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
         raise InvalidPlanError(f"layer {offloaded[0]} asks for offload={plan.layers[offloaded[0]].offload:g}, but the "
                                "executor does not run the CPU update offload yet; plan with "
                                "SearchOptions(offload_levels=(0.0,)) or remove 'offload=' from the plan")
+    reason = detect_family(model).no_tensor_parallel
+    split = [i for i, s in enumerate(plan.layers) if s.tp > 1]
+    if split and reason:
+        raise InvalidPlanError(f"layer {split[0]} asks for tp={plan.layers[split[0]].tp}, but {reason}; "
+                               "use tp=1 (nbtrain.plan does not search tensor parallelism for this model)")
     tied = _tied(layers)
     if tied:
         first, last = plan.layers[0], plan.layers[-1]
