@@ -48,3 +48,10 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_PUBLIC))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbtrain`` registers the ``%%autoparallel`` cell magic (IPython is imported only then)."""
+    from nbtrain.notebook.magics import load_ipython_extension as load
+
+    load(ipython)

@@ -9,6 +9,8 @@
     $ nbtrain verify llama-tiny --strategy "pp=2 mb=2 | dp_shard=2" --processes 4    # trains like one process?
     $ nbtrain cluster H100 --gpus 16                          # a cluster from the device catalog
     $ nbtrain cluster --detect                                # measure this machine
+    $ nbtrain kernel install                                  # the Jupyter kernel 'Python (nbtrain)'
+    $ nbtrain export llama-tiny --strategy "dp_shard=2" --out run.ipynb    # a papermill-ready training notebook
 
 Errors a user can cause print one line, ``nbtrain: error: ...``, and exit with status 2.
 """
@@ -98,6 +100,29 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--processes", type=_positive_int, default=None, help="processes (default: the plan's devices)")
     r.set_defaults(run=_run_script)
 
+    k = sub.add_parser("kernel", help="install the 'Python (nbtrain)' Jupyter kernel",
+                       description="Install the Jupyter kernelspec 'nbtrain' (papermill -k nbtrain, notebooks' "
+                                   "metadata). Default: into this Python environment (sys.prefix).")
+    k.add_argument("action", choices=["install"], help="what to do")
+    where = k.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for this user (~/.local/share/jupyter)")
+    where.add_argument("--sys-prefix", action="store_true", help="install into this environment (the default)")
+    k.set_defaults(run=_kernel)
+
+    e = sub.add_parser("export", help="write a notebook that trains a model under a plan (papermill-ready)",
+                       description="Plan a model (or take --strategy) and write a notebook that trains it under "
+                                   "that plan scaled to --processes, with a parameters cell and checks.")
+    e.add_argument("model", help="a preset (gpt-tiny, llama-tiny, gpt2, ...)")
+    e.add_argument("--out", required=True, help="the notebook to write, e.g. run.ipynb")
+    e.add_argument("--strategy", default=None, help='the plan, e.g. "dp_shard=2 ac" (default: the recommended)')
+    e.add_argument("--gpus", type=_positive_int, default=8, help="devices the plan is for (default 8)")
+    e.add_argument("--gpu", default="H100", help="device type the plan is for (default H100)")
+    e.add_argument("--batch", type=_positive_int, default=None, help="global batch (default 4 per device)")
+    e.add_argument("--seq", type=_positive_int, default=None, help="tokens per sequence (default: as profile)")
+    e.add_argument("--processes", type=_positive_int, default=2, help="processes the notebook trains with (2)")
+    e.add_argument("--steps", type=_positive_int, default=10, help="training steps (default 10)")
+    e.set_defaults(run=_export)
+
     c = sub.add_parser("cluster", help="describe a cluster from the device catalog, or measure this machine")
     c.add_argument("device", nargs="?", default=None, help="catalog name (H100, A100-80GB, ...); omit with --detect")
     c.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
@@ -175,6 +200,25 @@ def _verify(args) -> int:
                     seq=args.seq)
     print(report)
     return 0 if report.ok else 1
+
+
+def _kernel(args) -> None:
+    from nbtrain.notebook.kernel import install_kernel
+
+    print(f"installed the kernel 'nbtrain' (Python (nbtrain)) in {install_kernel(user=args.user)}")
+
+
+def _export(args) -> None:
+    from nbtrain.models.presets import build_preset
+    from nbtrain.notebook.cell import plan_model
+    from nbtrain.notebook.export import export_cell
+
+    code = f"import nbtrain\n\nmodel = nbtrain.build_preset({args.model!r}, device='cpu')"
+    job = plan_model(build_preset(args.model, device="cpu"), args.model, gpus=args.gpus, gpu=args.gpu,
+                     batch=args.batch, seq=args.seq, strategy=args.strategy)
+    path = export_cell(args.out, code, "model", job.plan, processes=args.processes, steps=args.steps)
+    print(job.plan.summary(label="evaluated" if args.strategy else "recommended"))
+    print(f"wrote {path}; run it with: papermill {path} out.ipynb -k nbtrain")
 
 
 def _cluster(args) -> None:

@@ -37,6 +37,8 @@ class FitResult:
     records: list[StepRecord]
     predicted_step_s: float | None = None
     """The cost model's step time for this plan on the described cluster, when a cluster was given."""
+    predicted_memory_bytes: float | None = None
+    """The cost model's memory per device for this plan (the largest stage), when a cluster was given."""
     state_dict: dict = field(default_factory=dict, repr=False)
     """The trained weights, whole, on the CPU (already loaded into the model passed to ``fit``)."""
 
@@ -59,6 +61,13 @@ class FitResult:
         line = f"measured step time (median after the first): {format_seconds(self.measured_step_s)}"
         if self.predicted_step_s is not None:
             line += f" · predicted: {format_seconds(self.predicted_step_s)}"
+        t.footer.append(line)
+        peak = max(r.peak_memory_bytes for r in self.records)
+        line = f"peak memory: {format_bytes(peak)}"
+        if not torch.cuda.is_available():
+            line += " (CPU: rank 0's resident memory, torch itself included)"
+        if self.predicted_memory_bytes is not None:
+            line += f" · predicted per device: {format_bytes(self.predicted_memory_bytes)}"
         t.footer.append(line)
         return t
 
@@ -167,13 +176,14 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     if plan.global_batch is None:
         plan = plan.replace(global_batch=ids.shape[0], seq_len=ids.shape[1])
     check_plan(model, plan)  # here, not in the workers: a plan the model cannot take is one clear error
-    predicted = None
+    predicted = predicted_memory = None
     if cluster is not None:
         import nbtrain
 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
-        predicted = nbtrain.estimate(plan, prof, cluster).step_time_s
+        prediction = nbtrain.estimate(plan, prof, cluster)
+        predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     records, state = launch(_worker, model, plan, get_batch, steps, lr, clip_norm, loss_fn, seed, progress,
                             precision, num_processes=num_processes, timeout=timeout)
     model.load_state_dict(state)
-    return FitResult(plan, records, predicted, state)
+    return FitResult(plan, records, predicted, predicted_memory, state)

@@ -1,0 +1,149 @@
+"""What ``%%autoparallel`` does with a cell, as plain functions: find the model, plan it, train it here.
+
+    >>> before = snapshot(namespace)
+    >>> exec(cell_source, namespace)
+    >>> name, model = find_model(namespace, before)            # the one nn.Module the cell made
+    >>> job = plan_model(model, name, gpus=64, gpu="H100", batch=256, seq=1024)
+    >>> result = train_here(model, job.plan, processes=2, steps=10)
+
+Nothing here needs IPython: the magic (:mod:`nbtrain.notebook.magics`) parses its line, runs the cell and calls
+these; tests call them directly.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import sysconfig
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError
+
+LOCAL_SEQ = 128
+"""Longest sequence a launch here trains on when the cell gives no data: CPU steps at 1024 tokens take seconds."""
+
+
+def snapshot(namespace: dict) -> dict[str, int]:
+    """What each name is bound to before the cell runs (by identity), to tell what the cell made."""
+    return {name: id(value) for name, value in namespace.items()}
+
+
+def find_model(namespace: dict, before: dict[str, int], name: str | None = None) -> tuple[str, nn.Module]:
+    """The model: ``namespace[name]``, or the single ``nn.Module`` with parameters that the cell bound to a new
+    name or rebound (a module inside another one, or a parameter-free loss module, is not a candidate)."""
+    if name is not None:
+        if name not in namespace:
+            raise InvalidArgumentError(f"--model {name}: no variable {name!r} in the notebook; build the model in "
+                                       "this cell, or name a variable that holds it")
+        if not isinstance(namespace[name], nn.Module):
+            raise InvalidArgumentError(f"--model {name}: {name!r} is a {type(namespace[name]).__name__}, not a "
+                                       "torch.nn.Module; name the variable that holds the model")
+        return name, namespace[name]
+    made = {k: v for k, v in namespace.items() if isinstance(v, nn.Module) and not k.startswith("_")
+            and before.get(k) != id(v) and any(True for _ in v.parameters())}
+    inner = {id(sub) for v in made.values() for sub in v.modules() if sub is not v}
+    candidates = {k: v for k, v in made.items() if id(v) not in inner}
+    distinct = {id(v): k for k, v in candidates.items()}  # two names for one model are one model
+    if not distinct:
+        raise InvalidArgumentError("the cell made no torch.nn.Module with parameters; build the model in the cell "
+                                   "(model = nbtrain.GPT(config)), or pass --model NAME for one built earlier")
+    if len(distinct) > 1:
+        listed = ", ".join(f"{k} ({type(candidates[k]).__name__})" for k in sorted(distinct.values()))
+        raise InvalidArgumentError(f"the cell made several models: {listed}; choose one with --model NAME")
+    key = next(iter(distinct.values()))
+    return key, candidates[key]
+
+
+@dataclass
+class PlannedCell:
+    """What planning a cell's model produced."""
+
+    name: str
+    profile: object
+    """The model's :class:`ModelProfile`."""
+    cluster: object
+    """The described :class:`Cluster`."""
+    plan: object
+    """The recommended (or the typed and evaluated) :class:`Plan`, with its prediction."""
+    baselines: list
+    """The uniform plans users know (DDP, FSDP, Megatron, ...), predicted on the same cluster."""
+
+
+def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int | None = None, gpu: str = "H100",
+               memory: str | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
+               strategy: str | None = None, offload: bool = False, top: int = 3,
+               loss_fn: Callable | None = None) -> PlannedCell:
+    """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags)."""
+    import nbtrain
+    from nbtrain.planner.recommend import baselines
+    from nbtrain.planner.search import SearchOptions
+
+    profile = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype=_dtype(dtype), loss_fn=loss_fn, name=name)
+    cluster = nbtrain.Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
+    batch = batch or 4 * gpus
+    # The executor does not run the CPU update offload yet (offload issue): plans without it unless asked.
+    options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
+    best = nbtrain.plan(profile, cluster, global_batch=batch, seq_len=seq, memory=memory, strategy=strategy,
+                        top=top, options=options)
+    known = baselines(profile, cluster, global_batch=batch, seq_len=seq, memory=memory)
+    return PlannedCell(name, profile, cluster, best, known)
+
+
+def _dtype(text: str) -> str:
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    if text not in names:
+        raise InvalidArgumentError(f"--dtype {text}: use bf16, fp16 or fp32")
+    return names[text]
+
+
+def local_batches(vocab_size: int, rows: int, seq: int, count: int, seed: int = 0) -> list[tuple]:
+    """``count`` batches of ``rows`` × ``seq`` tokens to train on when the cell gives no data: byte windows of
+    Python's standard library sources (real text, on every machine) when the vocabulary holds all 256 bytes,
+    else token ids of that text folded into the vocabulary."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4 * (seq + 1))[:200]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        windows = []
+        for _ in range(rows):
+            data = rng.choice(files).read_bytes()
+            start = rng.randrange(len(data) - seq - 1)
+            windows.append(torch.tensor(list(data[start:start + seq + 1])) % vocab_size)
+        window = torch.stack(windows)
+        out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
+    return out
+
+
+def vocab_size(model: nn.Module) -> int:
+    from nbtrain.models.adapters import detect_family
+
+    vocab = detect_family(model).vocab_size
+    if not vocab:
+        raise InvalidArgumentError(f"{type(model).__name__} is not a language model nbtrain knows, so it cannot "
+                                   "make batches for it; pass --data NAME (a list of (inputs, targets) batches)")
+    return vocab
+
+
+def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
+               lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None):
+    """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
+    are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted)."""
+    import nbtrain
+    from nbtrain.planner.scale import scale_plan
+    from nbtrain.profiler.model import lm_loss
+
+    if data is not None:
+        ids, _ = (data(0) if callable(data) else next(iter(data)))
+        local = scale_plan(plan, processes, global_batch=ids.shape[0], seq_len=ids.shape[1])
+    else:
+        seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
+        local = scale_plan(plan, processes, seq_len=seq)
+        data = local_batches(vocab_size(model), local.global_batch, seq, count=steps, seed=seed)
+    here = nbtrain.Cluster.detect(calibrate=False).replace(num_devices=processes, devices_per_node=processes)
+    return nbtrain.fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
+                       loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout)

@@ -1,0 +1,107 @@
+"""Write a run as a clean notebook that papermill executes as is: the model code, the plan, the launch, checks.
+
+    >>> export_cell("run.ipynb", "model = nbtrain.build_preset('llama-tiny')", "model", plan, processes=2, steps=5)
+    $ papermill run.ipynb out.ipynb -k nbtrain -p steps 20
+
+``%%autoparallel ... --export run.ipynb`` calls this with the cell's own code; ``nbtrain export MODEL --strategy
+... --out run.ipynb`` with a preset. The notebook has a ``parameters`` cell (steps, processes, seed, lr), takes the
+plan from JSON (so it runs the same plan whatever the planner would choose later), trains under it scaled to the
+processes, and ends with checks that fail the run when training went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nbtrain.errors import InvalidArgumentError
+
+KERNEL = {"name": "nbtrain", "display_name": "Python (nbtrain)", "language": "python"}
+
+
+def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, steps: int = 10, lr: float = 3e-4,
+                seed: int = 0, namespace: dict | None = None) -> Path:
+    """Write the notebook to ``path`` (``.ipynb``); returns the path. ``namespace`` (the notebook's variables)
+    lets the export import the modules the code uses from earlier cells; other names from earlier cells raise
+    :class:`InvalidArgumentError` naming them, since the exported notebook could not run."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    imports, missing = outside_names(code, namespace or {})
+    if missing:
+        raise InvalidArgumentError(f"cannot export: the cell uses {', '.join(missing)} from earlier cells, which "
+                                   "the exported notebook would not have; define them in the cell and run it again")
+    path = Path(path)
+    if path.suffix != ".ipynb":
+        raise InvalidArgumentError(f"export to {path}: the file must end in .ipynb")
+    if not model_name.isidentifier():
+        raise InvalidArgumentError(f"export: {model_name!r} is not a variable name")
+    plan_json = json.dumps({k: v for k, v in plan.to_dict().items() if k not in ("predicted", "alternatives")},
+                           indent=1)
+    cells = [
+        new_markdown_cell(f"# Training `{model_name}` under an nbtrain plan\n\n"
+                          f"Exported by nbtrain. The plan was made for {plan.num_devices} devices:\n\n"
+                          f"`{plan}`\n\nHere it runs scaled to `num_processes` processes. Run it with papermill:\n"
+                          f"`papermill {path.name} out.ipynb -k nbtrain -p steps 20`."),
+        _parameters(new_code_cell(f"steps = {steps}\nnum_processes = {processes}\nseed = {seed}\nlr = {lr!r}")),
+        new_code_cell("\n".join(["import math", "", "import torch", "", "import nbtrain",
+                                  "from nbtrain.notebook.cell import train_here", *imports, "",
+                                  "torch.manual_seed(seed)"])),
+        new_markdown_cell("The model, as the exported cell built it:"),
+        new_code_cell(code.strip()),
+        new_markdown_cell("The plan, as the planner chose it (JSON, so this notebook always runs the same plan):"),
+        new_code_cell(f"plan = nbtrain.Plan.from_json('''{plan_json}''')\nprint(plan)"),
+        new_markdown_cell("Train here under the plan scaled to `num_processes`; the trained weights are loaded "
+                          f"back into `{model_name}`:"),
+        new_code_cell(f"result = train_here({model_name}, plan, processes=num_processes, steps=steps, lr=lr, "
+                      "seed=seed)\nprint(result)"),
+        new_markdown_cell("Checks: every loss is finite, and the weights that came back are the trained ones."),
+        new_code_cell("assert all(math.isfinite(loss) for loss in result.losses), result.losses\n"
+                      f"trained = {model_name}.state_dict()\n"
+                      "assert all(torch.equal(trained[k], v) for k, v in result.state_dict.items())\n"
+                      "print('checks passed:', len(result.losses), 'steps, last loss', round(result.losses[-1], 4))"),
+    ]
+    notebook = new_notebook(cells=cells, metadata={"kernelspec": KERNEL,
+                                                   "language_info": {"name": "python"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, str(path))
+    return path
+
+
+def _parameters(cell):
+    cell.metadata["tags"] = ["parameters"]
+    return cell
+
+
+def outside_names(code: str, namespace: dict) -> tuple[list[str], list[str]]:
+    """The names ``code`` reads but never binds: ``import`` lines for those that are modules in ``namespace``,
+    and the others (values made by earlier cells), sorted."""
+    import ast
+    import builtins
+    import types
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:  # IPython syntax in the cell (!pip, %time): read it as IPython runs it
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        tree = ast.parse(TransformerManager().transform_cell(code))
+    bound, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    outside = sorted(read - bound - set(dir(builtins)) - {"nbtrain", "torch", "math", "get_ipython"})
+    imports = []
+    for name in outside:
+        value = namespace.get(name)
+        if isinstance(value, types.ModuleType):
+            imports.append(f"import {value.__name__}" if value.__name__ == name else
+                           f"import {value.__name__} as {name}")
+    modules = {line.split()[-1] for line in imports}
+    return imports, [name for name in outside if name not in modules]

@@ -1,0 +1,154 @@
+"""The ``%%autoparallel`` cell magic: the model a cell builds, profiled, planned, shown, and trained here.
+
+    %load_ext nbtrain
+
+    %%autoparallel --gpus 64 --gpu H100 --batch 256 --seq 1024 -o best --launch --processes 2 --steps 10
+    model = nbtrain.GPT(nbtrain.GPTConfig(n_layer=12, n_head=12, n_embd=768))
+
+``%%autoparallel?`` prints every flag. A flag's value may be a ``$variable`` (IPython expands it). Mistakes
+(no model, two models, a bad flag, nothing fits, a worker that raises) end the cell with one ``UsageError`` line;
+the kernel and everything in the notebook stay as they were, except what the cell body itself assigned.
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from nbtrain.errors import NbtrainError
+
+
+def _show(table) -> None:
+    """A table as static output that survives papermill: text for the text view, HTML for the notebook view."""
+    display({"text/plain": str(table), "text/html": table._repr_html_()}, raw=True)
+
+
+@magics_class
+class AutoparallelMagics(Magics):
+    @magic_arguments()
+    @argument("--model", metavar="NAME", help="the variable holding the model (default: the one nn.Module the "
+                                              "cell made)")
+    @argument("--data", metavar="NAME", help="a list of (inputs, targets) global batches, or a function step → "
+                                             "batch, to train on with --launch (default: standard-library text)")
+    @argument("--loss", metavar="NAME", help="a function loss(output, targets) (default: next-token cross-entropy)")
+    @argument("--gpus", type=int, default=8, help="devices of the described cluster (default 8)")
+    @argument("--gpus-per-node", type=int, default=None, help="devices per node (default: up to 8)")
+    @argument("--gpu", default="H100", help="device type from the catalog: H100, A100-80GB, V100, L4, cpu, ... "
+                                           "(default H100)")
+    @argument("--memory", default=None, help="memory budget per device, e.g. 24GiB (default: the device's)")
+    @argument("--batch", type=int, default=None, help="global batch: sequences per step (default 4 per device)")
+    @argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context, ≤ 1024)")
+    @argument("--dtype", default="bf16", help="training dtype for the plan: bf16, fp16 or fp32 (default bf16)")
+    @argument("--strategy", default=None, help='evaluate this plan instead of searching, e.g. "dp_shard=8 ac"')
+    @argument("--offload", action="store_true", help="let the plan move optimizer updates to the CPU")
+    @argument("--top", type=int, default=3, help="plans to keep: the best and top − 1 alternatives (default 3)")
+    @argument("-o", dest="output", metavar="NAME", help="store the Plan in this variable (like %%timeit -o)")
+    @argument("-q", dest="quiet", action="store_true", help="print only the one-line summary")
+    @argument("--launch", action="store_true", help="then train the model here under the plan, scaled to "
+                                                   "--processes, and load the trained weights back into it")
+    @argument("--processes", type=int, default=2, help="processes to train with (default 2)")
+    @argument("--steps", type=int, default=10, help="training steps with --launch (default 10)")
+    @argument("--lr", type=float, default=3e-4, help="AdamW learning rate with --launch (default 3e-4)")
+    @argument("--seed", type=int, default=0, help="seed of the launch's workers and data (default 0)")
+    @argument("--timeout", type=float, default=None, help="seconds the launch may take (default: no limit)")
+    @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
+                                               "launch, checks), for papermill or a tutorial")
+    @cell_magic
+    def autoparallel(self, line: str, cell: str):
+        """Profile the model this cell builds, plan it for a described cluster, and show the plan.
+
+        The cell runs first, as any cell does. Its model (``--model NAME``, or the single ``nn.Module`` the cell
+        made) is profiled on fake tensors and planned for ``--gpus`` devices of type ``--gpu``; the plan table,
+        the comparison with the usual strategies and a one-line summary are printed (and, in a live notebook,
+        the plan explorer). ``--launch`` then trains the model here for ``--steps`` steps under the plan scaled to
+        ``--processes`` processes, with the measured step time and memory beside the predicted ones, and loads
+        the trained weights back into the notebook's model.
+        """
+        args = _unquoted(parse_argstring(self.autoparallel, line))
+        try:
+            return self._run(args, cell)
+        except NbtrainError as error:
+            raise UsageError(f"{type(error).__name__}: {error}") from None
+
+    def _run(self, args, cell: str):
+        from nbtrain.notebook.cell import find_model, plan_model, snapshot, train_here
+        from nbtrain.planner.report import comparison_table
+
+        namespace = self.shell.user_ns
+        before = snapshot(namespace)
+        self.shell.ex(self.shell.transform_cell(cell))  # the user's own code: its errors show as any cell's do
+        name, model = find_model(namespace, before, args.model)
+        data, loss_fn = self._lookup(args.data, "--data"), self._lookup(args.loss, "--loss")
+        _check_counts(args)
+        job = plan_model(model, name, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                         memory=args.memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                         strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=loss_fn)
+        plan = job.plan
+        if args.output:
+            namespace[args.output] = plan
+        if not args.quiet:
+            _show(plan.table())
+            _show(comparison_table(plan, job.baselines))
+            for note in plan.notes:
+                print("note:", note)
+        print(plan.summary())
+        if not args.quiet and not args.launch:
+            self._explorer(job, args)
+        if args.export:
+            from nbtrain.notebook.export import export_cell
+
+            path = export_cell(args.export, cell, name, plan, processes=args.processes, steps=args.steps,
+                               lr=args.lr, seed=args.seed, namespace=namespace)
+            print(f"exported to {path}: papermill {path} out.ipynb -k nbtrain -p steps {args.steps}")
+        if args.launch:
+            print(f"\ntraining {name} here: {args.processes} processes, {args.steps} steps, the plan scaled to "
+                  f"{args.processes} devices")
+            result = train_here(model, plan, processes=args.processes, steps=args.steps, data=data,
+                                loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout)
+            _show(result.table())
+            print(f"the trained weights are in {name}")
+            if args.output:
+                namespace[args.output + "_result"] = result
+        return None
+
+    def _lookup(self, name: str | None, flag: str):
+        if name is None:
+            return None
+        if name not in self.shell.user_ns:
+            raise UsageError(f"{flag} {name}: no variable {name!r} in the notebook; define it first")
+        return self.shell.user_ns[name]
+
+    def _explorer(self, job, args) -> None:
+        from nbtrain.notebook.widgets import explore
+
+        explorer = explore(job.profile, num_devices=args.gpus, devices_per_node=args.gpus_per_node or min(args.gpus, 8),
+                           device=args.gpu, memory=args.memory, global_batch=job.plan.global_batch,
+                           seq_len=job.plan.seq_len)
+        if explorer is not None:
+            display(explorer)
+
+
+def _unquoted(args):
+    """IPython splits the line without removing quotes: ``--strategy "dp_shard=2 ac"`` arrives quoted."""
+    for key, value in vars(args).items():
+        if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            setattr(args, key, value[1:-1])
+    return args
+
+
+def _check_counts(args) -> None:
+    for flag in ("gpus", "processes", "steps", "top"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise UsageError(f"--{flag} {value}: must be a positive integer")
+    for flag in ("gpus_per_node", "batch", "seq"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbtrain``: registers ``%%autoparallel``."""
+    ipython.register_magics(AutoparallelMagics)

@@ -1,0 +1,158 @@
+"""``%%autoparallel`` in an IPython shell: what a notebook user sees and keeps, and the one-line errors.
+
+These run the magic in this process's InteractiveShell (what a kernel runs); tests/test_notebooks.py runs it in
+real kernels under papermill.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from nbtrain.planner.strategy import Plan
+
+TINY = ("import nbtrain\n"
+        "model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, "
+        "tie_embeddings=False))\n")
+
+
+@pytest.fixture(scope="module")
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nbtrain")
+    return ip
+
+
+@pytest.fixture(autouse=True)
+def noninteractive(monkeypatch):
+    monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")
+
+
+def run(shell, line: str, body: str = TINY):
+    return shell.run_cell(f"%%autoparallel {line}\n{body}")
+
+
+def test_the_extension_registers_the_magic_and_its_help_lists_the_flags(shell):
+    magic = shell.find_cell_magic("autoparallel")
+    assert magic is not None
+    for flag in ("--model", "--data", "--loss", "--gpus", "--gpus-per-node", "--gpu", "--memory", "--batch", "--seq",
+                 "--strategy", "--offload", "--top", "-o", "-q", "--launch", "--processes", "--steps", "--export"):
+        assert flag in magic.__doc__, flag
+
+
+def test_importing_nbtrain_does_not_import_ipython():
+    import subprocess
+    import sys
+
+    code = "import sys, nbtrain; nbtrain.Plan; print('IPython' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_plan_only_shows_the_table_the_comparison_and_the_summary_and_stores_the_plan(shell, capsys):
+    result = run(shell, "--gpus 8 --gpu H100 --batch 32 -o best")
+    assert result.success, result.error_in_exec
+    best = shell.user_ns["best"]
+    assert isinstance(best, Plan) and best.num_devices == 8 and best.global_batch == 32
+    out = capsys.readouterr().out
+    assert "time/µbatch" in out  # the per-stage plan table
+    assert "DDP" in out and "FSDP (ZeRO-3)" in out  # the comparison with the usual strategies
+    assert best.summary() in out.splitlines()
+
+
+def test_dollar_variables_in_the_line_expand(shell):
+    shell.user_ns["n"] = 4
+    assert run(shell, "--gpus $n --batch 8 -o four").success
+    assert shell.user_ns["four"].num_devices == 4
+
+
+def test_quiet_prints_only_the_summary(shell, capsys):
+    assert run(shell, "--gpus 2 --batch 8 -q -o quiet").success
+    assert capsys.readouterr().out.strip() == shell.user_ns["quiet"].summary()
+
+
+def test_a_typed_strategy_is_evaluated_not_searched(shell):
+    assert run(shell, '--gpus 4 --batch 8 --strategy "dp_shard=2 tp=2 ac" -o typed').success
+    typed = shell.user_ns["typed"]
+    assert str(typed.layers[1]) == "dp_shard=2 tp=2 ac" and typed.predicted is not None
+
+
+def test_the_model_can_be_named_when_the_cell_makes_several(shell):
+    body = TINY + "other = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32))\n"
+    assert run(shell, "--gpus 2 --batch 4 --model other -o named", body).success
+    assert shell.user_ns["named"].num_layers == 1 + 2  # embeddings, one block, head
+
+
+@pytest.mark.parametrize("line,body,message", [
+    ("--gpus 2", "x = 1\n", "the cell made no torch.nn.Module"),
+    ("--gpus 2", TINY + "second = nbtrain.GPT(model.config)\n", "several models: model (GPT), second (GPT)"),
+    ("--gpus 2 --model x", "x = 1\n", "'x' is a int, not a torch.nn.Module"),
+    ("--gpus 2 --bogus 3", TINY, "unrecognized arguments: --bogus 3"),
+    ("--gpus 0", TINY, "--gpus 0: must be a positive integer"),
+    ("--gpus 8 --memory 1MiB", TINY, "no plan fits 1.00 MiB per device"),
+    ("--gpus 2 --gpu TPU", TINY, "TPU"),
+    ("--gpus 2 --data nothing", TINY, "--data nothing: no variable 'nothing'"),
+])
+def test_mistakes_end_the_cell_with_one_usage_error_and_the_notebook_keeps_its_state(shell, capsys, line, body,
+                                                                                     message):
+    from IPython.core.error import UsageError
+
+    shell.user_ns["kept"] = kept = object()
+    result = run(shell, line, body)
+    assert isinstance(result.error_in_exec, UsageError)
+    assert message in str(result.error_in_exec)
+    assert "Traceback" not in capsys.readouterr().out
+    assert shell.user_ns["kept"] is kept
+    assert shell.run_cell("after = 1 + 1").success and shell.user_ns["after"] == 2
+
+
+def test_an_error_in_the_cells_own_code_shows_as_any_cell_error(shell):
+    result = run(shell, "--gpus 2", "model = undefined_name\n")
+    assert isinstance(result.error_in_exec, NameError)
+
+
+@pytest.mark.slow
+def test_launch_trains_under_the_scaled_plan_and_loads_the_weights_back(shell, capsys):
+    result = run(shell, "--gpus 8 --batch 16 -o job --launch --processes 2 --steps 3 --lr 3e-3")
+    assert result.success, result.error_in_exec
+    trained = shell.user_ns["job_result"]
+    assert trained.plan.num_devices == 2 and len(trained.losses) == 3
+    assert trained.losses[-1] < trained.losses[0]
+    model = shell.user_ns["model"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.state_dict.items())
+    out = capsys.readouterr().out
+    assert "measured step time" in out and "predicted" in out and "the trained weights are in model" in out
+
+
+def _failing_loss(output, targets):
+    """Next-token loss that fails in the worker of rank 1 (planning, in the notebook's process, works)."""
+    import torch.distributed as dist
+
+    from nbtrain.profiler.model import lm_loss
+
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise ValueError("this loss fails on rank 1")
+    return lm_loss(output, targets)
+
+
+@pytest.mark.slow
+def test_a_worker_that_raises_ends_the_cell_with_its_rank_and_error_and_no_process_is_left(shell):
+    from IPython.core.error import UsageError
+
+    shell.user_ns["bad_loss"] = _failing_loss
+    before = set(multiprocessing.active_children())
+    result = run(shell, "--gpus 2 --batch 4 -q --launch --processes 2 --steps 2 --loss bad_loss")
+    assert isinstance(result.error_in_exec, UsageError)
+    message = str(result.error_in_exec)
+    assert message.startswith("WorkerError: rank 1 of 2 failed: ValueError: this loss fails on rank 1"), message
+    assert set(multiprocessing.active_children()) - before == set()
+
+
+def test_export_refuses_a_cell_that_needs_values_from_earlier_cells(shell, tmp_path):
+    shell.user_ns["cfg"] = shell.user_ns["model"].config if "model" in shell.user_ns else None
+    result = run(shell, f"--gpus 2 --batch 4 -q --export {tmp_path / 'run.ipynb'}", "model2 = nbtrain.GPT(cfg)\n")
+    assert "uses cfg from earlier cells" in str(result.error_in_exec)
+    assert not (tmp_path / "run.ipynb").exists()
