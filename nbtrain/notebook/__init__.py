@@ -1,1 +1,7 @@
-"""The notebook face: a thin layer over nbtrain's public API (magics, widgets, plots)."""
+"""nbtrain's notebook face: the ``%%autoparallel`` magic, the plan explorer, plots, notebook export.
+
+    %load_ext nbtrain
+
+Everything here is a thin layer over the public Python API (``nbtrain.profile``, ``plan``, ``fit``); IPython,
+ipywidgets and matplotlib are imported only when a notebook feature is used.
+"""
