@@ -2,13 +2,13 @@
 
     >>> big = Plan.parse("pp=4 mb=8 | 0-5: dp_shard=8 tp=2 ac; 6-13: tp=16", num_devices=64, num_layers=14)
     >>> print(scale_plan(big, 2))
-    pp=1 mb=8 | 0-5: tp=2 ac; 6-13: tp=2
+    pp=1 mb=2 | 0-5: tp=2 ac; 6-13: tp=2
 
 Axes shrink from the outside in, each halved in turn, until the plan has as many devices as processes: first the
 pipeline (``pp``, whose stages merge pairwise), then ``dp_replicate``, then ``dp_shard``, and ``tp`` last. The
 inner axes are the ones that change how a layer computes (a tensor-parallel matmul, a sharded optimizer), so a
-small run keeps as much of them as it can; checkpointing, ZeRO level, offload, micro-batches and schedule stay
-as planned. A plan for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
+small run keeps as much of them as it can; checkpointing, ZeRO level, offload and schedule stay as planned, and
+micro-batches shrink with the pipeline (as many per stage as planned: they were there to fill its bubble). A plan for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def scale_plan(plan: Plan, num_devices: int, *, global_batch: int | None = None,
         stages = [stages[i] + stages[i + 1] for i in range(0, len(stages), 2)]
     per_stage = num_devices // pp
     layers = tuple(_scale_strategy(s, per_stage) for s in plan.layers)
-    mb = plan.microbatches
+    mb = max(pp, plan.microbatches * pp // plan.pp)  # as many micro-batches per stage as planned
     rows = global_batch or mb * max(s.dp for s in layers)
-    return plan.replace(num_devices=num_devices, layers=layers, pp=pp, stages=tuple(stages),
+    return plan.replace(num_devices=num_devices, layers=layers, pp=pp, stages=tuple(stages), microbatches=mb,
                         global_batch=rows, seq_len=seq_len or plan.seq_len)
 
 

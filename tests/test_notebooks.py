@@ -1,0 +1,127 @@
+"""Every notebook in notebooks/ runs under papermill in the nbtrain kernel, as CI and users run them, and shows
+what it teaches; every mistake a user can make in a %%autoparallel cell ends that cell with one clear line and
+leaves the kernel working (one fixture notebook per mistake, in tests/notebooks/).
+
+    $ papermill notebooks/01_quickstart.ipynb out.ipynb -k nbtrain -p smoke True
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+FIXTURES = Path(__file__).resolve().parent / "notebooks"
+SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True}}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nbtrain_kernel():
+    """The README's test command installs the kernelspec itself: papermill -k nbtrain needs it."""
+    from nbtrain.notebook.kernel import install_kernel, kernel_installed
+
+    if not kernel_installed():
+        install_kernel()
+
+
+@pytest.fixture(autouse=True)
+def noninteractive(monkeypatch):
+    monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")  # the kernels inherit it: no widgets, no live bars
+
+
+def execute(path: Path, out_dir: Path, **parameters) -> nbformat.NotebookNode:
+    import papermill
+
+    out = out_dir / f"executed_{path.name}"
+    papermill.execute_notebook(str(path), str(out), parameters=parameters, kernel_name="nbtrain",
+                               cwd=str(out_dir), progress_bar=False, execution_timeout=600)
+    return nbformat.read(str(out), as_version=4)
+
+
+def text_of(cell) -> str:
+    """Everything a cell printed or displayed, as text."""
+    parts = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type in ("display_data", "execute_result"):
+            parts.append(output.data.get("text/plain", ""))
+        elif output.output_type == "error":
+            parts.append(f"{output.ename}: {output.evalue}")
+    return "".join(parts)
+
+
+def test_every_notebook_in_the_folder_is_run_here():
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(SMOKE)
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_notebooks_are_committed_clean_with_a_parameters_cell_and_the_nbtrain_kernel(name):
+    nb = nbformat.read(str(NOTEBOOKS / f"{name}.ipynb"), as_version=4)
+    assert nb.metadata.kernelspec.name == "nbtrain"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "strip the outputs before committing"
+    parameters = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(parameters) == 1 and "smoke" in parameters[0].source
+
+
+def test_quickstart_plans_gpt2_and_trains_a_gpt_and_a_transformers_gpt2_here(tmp_path):
+    nb = execute(NOTEBOOKS / "01_quickstart.ipynb", tmp_path, smoke=True)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    assert "gpt2 on 64 devices" in everything and "time/µbatch" in everything  # the plan table
+    assert "recommended:" in everything and "FSDP (ZeRO-3)" in everything  # summary and comparison
+    assert everything.count("measured step time") == 2  # both launches: the GPT and transformers' GPT-2
+    assert "the trained weights are in model" in everything and "the trained weights are in hf_model" in everything
+    assert "GPT-2's fused q|k|v projection" in everything  # the planner says why it does not split GPT-2 by TP
+
+
+def test_hybrid_parallel_tutorial_runs_and_every_plan_verifies(tmp_path):
+    nb = execute(NOTEBOOKS / "02_hybrid_parallel.ipynb", tmp_path, smoke=True)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    assert "predicted" in everything and "measured" in everything
+
+
+def test_the_lab_with_reference_answers_passes_every_check(tmp_path):
+    nb = execute(NOTEBOOKS / "03_lab_parallelism.ipynb", tmp_path, smoke=True, reference_answers=True)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    assert "✓ right" in everything and "✗" not in everything
+
+
+@pytest.mark.parametrize("fixture,message", [
+    ("no_model", "UsageError: InvalidArgumentError: the cell made no torch.nn.Module"),
+    ("two_models", "UsageError: InvalidArgumentError: the cell made several models: decoder (GPT), encoder (GPT); "
+                   "choose one with --model NAME"),
+    ("bad_flag", "UsageError: unrecognized arguments: --gpuz 4"),
+    ("nothing_fits", "UsageError: NoFeasiblePlanError: no plan fits 1.00 MiB per device on 8 × H100"),
+    ("worker_raises", "UsageError: WorkerError: rank 1 of 2 failed: ValueError: this loss fails on rank 1"),
+])
+def test_a_mistake_in_the_cell_is_one_message_and_the_next_cell_runs(tmp_path, fixture, message):
+    nb = execute(FIXTURES / f"{fixture}.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    failed, after = code[1], code[2]
+    shown = text_of(failed)
+    errors = [line for line in shown.splitlines() if line.startswith("UsageError")]
+    assert len(errors) == 1 and errors[0].startswith(message), shown
+    assert "Traceback (most recent call last)" not in shown.split("Traceback of rank")[0]  # no traceback of ours
+    assert "kernel alive: 2 child processes: 0" in text_of(after)  # the kernel works, no worker is left
+
+
+def test_an_exported_run_executes_as_is(tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbtrain")
+    export = tmp_path / "run.ipynb"
+    result = shell.run_cell(f"%%autoparallel --gpus 8 --batch 16 -q --export {export} --steps 3\n"
+                            "import nbtrain\nfrom torch import nn\n"
+                            "exported_model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, "
+                            "n_head=4, n_embd=64, tie_embeddings=False))\n")
+    assert result.success, result.error_in_exec
+    nb = execute(export, tmp_path, steps=2)
+    assert "checks passed: 2 steps" in text_of(nb.cells[-1])
