@@ -73,6 +73,17 @@ def test_nothing_fits_names_the_memory_the_leanest_plan_needs(llama7b):
         nbtrain.plan(llama7b, h100s(memory="1GiB"), global_batch=64, seq_len=2048)
 
 
+def test_a_batch_too_small_to_split_over_the_devices_is_named_not_blamed_on_memory():
+    # gpt-tiny ties its embedding and head: those layers take neither pp nor tp, so all 64 devices must be data
+    # parallel there, and 32 sequences cannot be split 64 ways, whatever the memory
+    profile = nbtrain.profile("gpt-tiny", batch_size=1, seq_len=64)
+    with pytest.raises(NoFeasiblePlanError, match="no plan splits this model over 64 devices with a global batch "
+                                                  "of 32: .*tied embedding.*multiple of 64") as error:
+        nbtrain.plan(profile, h100s(64), global_batch=32, seq_len=64)
+    assert "fits" not in str(error.value)
+    assert nbtrain.plan(profile, h100s(64), global_batch=64, seq_len=64).predicted.fits  # as the message says
+
+
 def test_a_tp_degree_that_does_not_divide_the_heads_is_refused(llama7b):
     profile = nbtrain.profile("gpt2", batch_size=1, seq_len=512)  # 12 heads
     with pytest.raises(InvalidPlanError, match="tp=8 does not divide the 12 attention heads"):

@@ -147,9 +147,17 @@ def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_option
         except Exception:  # a lean shape this model cannot take (heads, batch): try the next
             continue
     budget_text = format_bytes(budget if budget is not None else cluster.device_memory)
-    if not lean:
-        return (f"no plan fits {budget_text} per device on {n} × {cluster.device}; use more devices, devices with "
-                "more memory, or a smaller global batch or sequence length")
+    if not lean:  # no shape at all: the batch, the heads or the layers cannot be split over n devices
+        heads = profile.arch.get("n_head")
+        limits = [f"data-parallel degree × micro-batches must divide the global batch ({global_batch})",
+                  f"a pipeline has at most {len(profile.layers)} stages (the layers)"]
+        if heads:
+            limits.append(f"tensor parallelism splits at most {heads} attention heads")
+        if profile.layers[-1].tied:
+            limits.append("the tied embedding and head stay in one stage without tensor parallelism, so those "
+                          f"layers need data parallelism over all {n} devices")
+        return (f"no plan splits this model over {n} devices with a global batch of {global_batch}: "
+                f"{'; '.join(limits)}. Use a global batch that is a multiple of {n}, or fewer devices")
     need, leanest = min(lean, key=lambda x: x[0])
     return (f"no plan fits {budget_text} per device on {n} × {cluster.device}: the leanest plan nbtrain knows, "
             f"'{leanest}', needs {format_bytes(need)} per device; use devices with at least that much memory, more "
