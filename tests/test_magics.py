@@ -156,3 +156,15 @@ def test_export_refuses_a_cell_that_needs_values_from_earlier_cells(shell, tmp_p
     result = run(shell, f"--gpus 2 --batch 4 -q --export {tmp_path / 'run.ipynb'}", "model2 = nbtrain.GPT(cfg)\n")
     assert "uses cfg from earlier cells" in str(result.error_in_exec)
     assert not (tmp_path / "run.ipynb").exists()
+
+
+def test_running_the_same_cell_again_does_not_profile_again(shell, monkeypatch):
+    import nbtrain
+
+    calls = []
+    real = nbtrain.profile
+    monkeypatch.setattr(nbtrain, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    body = TINY.replace("n_layer=2", "n_layer=3")  # a shape no other test planned
+    assert run(shell, "--gpus 2 --batch 4 -q", body).success
+    assert run(shell, "--gpus 4 --batch 8 -q", body).success  # a new model object, the same structure
+    assert len(calls) == 1

@@ -82,7 +82,7 @@ def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int
     from nbtrain.planner.recommend import baselines
     from nbtrain.planner.search import SearchOptions
 
-    profile = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype=_dtype(dtype), loss_fn=loss_fn, name=name)
+    profile = _profile(model, name, seq, _dtype(dtype), loss_fn)
     cluster = nbtrain.Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
     batch = batch or 4 * gpus
     # The executor does not run the CPU update offload yet (offload issue): plans without it unless asked.
@@ -91,6 +91,25 @@ def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int
                         top=top, options=options)
     known = baselines(profile, cluster, global_batch=batch, seq_len=seq, memory=memory)
     return PlannedCell(name, profile, cluster, best, known)
+
+
+_PROFILES: dict = {}
+"""Profiles of the models this kernel planned, by structure: re-running a cell (which builds a new model of the
+same shape) plans again without profiling again."""
+
+
+def _profile(model: nn.Module, name: str, seq: int | None, dtype: str, loss_fn):
+    import nbtrain
+
+    structure = (type(model).__qualname__, name, seq, dtype, loss_fn,
+                 tuple((k, tuple(p.shape), p.dtype) for k, p in model.named_parameters()),
+                 tuple(type(m).__qualname__ for m in model.modules()))
+    if structure not in _PROFILES:
+        if len(_PROFILES) >= 8:
+            _PROFILES.pop(next(iter(_PROFILES)))
+        _PROFILES[structure] = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype=dtype, loss_fn=loss_fn,
+                                               name=name)
+    return _PROFILES[structure]
 
 
 def _dtype(text: str) -> str:
