@@ -43,8 +43,10 @@ def test_micro_batches_and_gradient_clipping_match_one_process_that_clips():
     assert reference != pytest.approx(reference_losses(gpt), rel=1e-3)  # clipping changed the training
 
 
-HF_TWO = ["dp_shard=2", "dp_replicate=2 ac", "tp=2", "mb=2 | tp=2 ac", "0: dp_shard=2; 1-2: tp=2; 3: dp_shard=2 zero=2"]
-HF_FOUR = ["dp_shard=2 tp=2", "0: dp_shard=4; 1: dp_shard=2 tp=2 ac; 2: dp_replicate=2 tp=2; 3: dp_shard=4"]
+HF_TWO = ["dp_shard=2", "dp_replicate=2 ac", "tp=2", "mb=2 | tp=2 ac", "0: dp_shard=2; 1-2: tp=2; 3: dp_shard=2 zero=2",
+          "pp=2 mb=2 schedule=gpipe", "pp=2 mb=4 schedule=1f1b stages=1+3 | 0-3: dp_replicate=1 ac"]
+HF_FOUR = ["dp_shard=2 tp=2", "0: dp_shard=4; 1: dp_shard=2 tp=2 ac; 2: dp_replicate=2 tp=2; 3: dp_shard=4",
+           "pp=2 mb=2 | dp_shard=2", "pp=2 mb=2 | 0: dp_shard=2; 1: tp=2; 2: dp_shard=2 ac; 3: tp=2"]
 
 
 @pytest.fixture(scope="module")

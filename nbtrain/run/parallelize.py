@@ -130,15 +130,25 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
             parent, attr = slots[0]
             add_relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout, meshes.stage_group)
-    sharded = [s for s in plan.layers[start:end] if s.dp > 1]
-    if sharded and plan.pp == 1:
-        # one FSDP root over the model: it owns no parameters (every layer already holds its own) but orders the
-        # layers' gathers and gradient syncs, and FSDP2 needs a single root above a group of several modules
-        unsharded = {p for i in range(start, end) if plan.layers[i].dp == 1
-                     for parent, attr in layers[i] for p in slot_module(parent, attr).parameters()}
-        fully_shard(model, mesh=meshes.for_strategy(sharded[0])["dp_replicate", "dp_shard"], mp_policy=policy,
-                    ignored_params=unsharded)
+    if plan.pp == 1:  # a pipeline stage's root is its stage module (pipeline.py)
+        add_fsdp_root(model, model, plan, meshes, policy)
     return model
+
+
+def add_fsdp_root(root: nn.Module, model: nn.Module, plan: Plan, meshes: PlanMeshes,
+                  mixed_precision: MixedPrecisionPolicy | None = None) -> None:
+    """One FSDP root over ``root`` (the model, or a pipeline stage's module) when any of this stage's layers is
+    sharded: it owns no parameters (every layer already holds its own) but orders the layers' gathers and gradient
+    syncs, and FSDP2 needs a single root above a group of several modules (a Llama head: final norm, LM head)."""
+    start, end = plan.stage_ranges()[meshes.stage]
+    sharded = [s for s in plan.layers[start:end] if s.dp > 1]
+    if not sharded:
+        return
+    layers = layer_modules(model)
+    unsharded = {p for i in range(start, end) if plan.layers[i].dp == 1
+                 for parent, attr in layers[i] for p in slot_module(parent, attr).parameters()}
+    fully_shard(root, mesh=meshes.for_strategy(sharded[0])["dp_replicate", "dp_shard"],
+                mp_policy=mixed_precision or MixedPrecisionPolicy(), ignored_params=unsharded)
 
 
 def is_plain_data_parallel(plan: Plan) -> bool:
@@ -175,9 +185,9 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
         if (first.dp_replicate, first.dp_shard, first.zero) != (last.dp_replicate, last.dp_shard, last.zero):
             raise InvalidPlanError(f"the embedding (layer 0: {first}) and the head (layer {plan.num_layers - 1}: "
                                    f"{last}) share their weight, so they need the same data-parallel strategy")
-    if plan.pp > 1 and detect_family(model).name != "nbtrain-gpt":
-        raise InvalidPlanError("pipeline stages of Hugging Face models are not supported yet (their blocks need "
-                               "the RoPE tables their model computes once); use pp=1")
+    if plan.pp > 1 and detect_family(model).name not in ("nbtrain-gpt", "hf-llama"):
+        raise InvalidPlanError(f"pipeline stages of {type(model).__name__} are not supported yet (nbtrain cuts its "
+                               "own GPT and Hugging Face Llama models into stages); use pp=1")
     return tied
 
 
