@@ -281,6 +281,20 @@ def test_pipeline_step_is_the_sum_of_stage_times_plus_m_minus_1_times_the_slowes
     assert first_heavy.tokens_per_s == pytest.approx(400 / first_heavy.step_time_s, rel=EXACT)
     flops = (3e3 + 2 * 3e7 + 6e6) * 400  # model FLOPs of the step, without recompute
     assert first_heavy.mfu == pytest.approx(flops / (first_heavy.step_time_s * 2 * 1e12), rel=EXACT)
+    # the slowest stage computes its 4 micro-batches and waits for the other stage's first one: the bubble
+    assert first_heavy.time.bubble == pytest.approx(t1, rel=EXACT)
+
+
+def test_with_equal_stages_the_bubble_is_gpipes_p_minus_1_over_m_plus_p_minus_1():
+    # Huang et al. 2019: with p equal stages and m micro-batches a device idles (p − 1) / (m + p − 1) of the step
+    blocks = [layer(f"blocks.{i}", "block", params=1000, act=1e3, out=200, fwd=1e7) for i in range(4)]
+    equal = profile([layer("embed", "embedding", params=0, act=0, out=200, fwd=0), *blocks,
+                     layer("head", "head", params=0, act=0, out=200, fwd=0)])
+    model = CostModel(equal, cluster(4, 4, intra_node_bandwidth=1e30), global_batch=8, options=NO_RESERVE)
+    for m in (4, 8):
+        p = model.estimate(plan(*[S()] * 6, devices=4, pp=4, microbatches=m, stages=(2, 1, 1, 2), global_batch=8))
+        assert p.time.bubble / p.step_time_s == pytest.approx(3 / (m + 3), rel=EXACT)
+    assert model.estimate(plan(*[S(dp_replicate=4)] * 6, devices=4, global_batch=8)).time.bubble == 0
 
 
 def test_a_plan_of_one_layout_pays_no_relayout_and_a_layout_change_moves_the_hidden_state_both_ways():

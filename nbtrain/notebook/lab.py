@@ -244,7 +244,7 @@ def _cost_model_bubble(pp: int, microbatches: int) -> list[str]:
         return []
     pred = typed.predicted
     times = [s.time_per_microbatch for s in pred.stages]
-    idle = pred.step_time_s - microbatches * max(times)
+    idle = pred.time.bubble  # = step − m · max T_i
     return [f"nbtrain's cost model for '{typed}' on {MODEL}: stages take "
             + ", ".join(format_seconds(t) for t in times) + f" per micro-batch; step {format_seconds(pred.step_time_s)}"
             f" = Σ T_i + (m − 1)·max T_i, of which the slowest stage idles {format_seconds(idle)} "

@@ -306,12 +306,10 @@ class CostModel:
         slowest = max(stage.time_per_microbatch for stage in stages)
         m = plan.microbatches
         step = sum(stage.time_per_microbatch for stage in stages) + (m - 1) * slowest
-        # time by category: every stage's per-micro-batch time once, the slowest stage's m − 1 more times
+        # time by category, as the slowest stage's devices spend the step: its m micro-batches, and idle for the
+        # rest (the pipeline bubble: the other stages' first-micro-batch times, Σ_{j≠i} Tⱼ)
         slow_index = max(range(len(stages)), key=lambda i: stages[i].time_per_microbatch)
-        total = Time()
-        for t in times:
-            total = total + t
-        total = total + times[slow_index].scaled(m - 1)
+        total = times[slow_index].scaled(m) + Time(bubble=step - m * slowest)
         model_flops = self.profile.at(self.global_batch, self.seq_len).flops_per_step
         peak = self.cluster.num_devices * self.cluster.peak_flops
         return Prediction(step, self.global_batch * self.seq_len / step, model_flops / (step * peak), stages,
