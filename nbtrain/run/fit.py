@@ -156,7 +156,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         cluster=None, progress: bool = True, precision: str = "fp32", timeout: float | None = None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
-    machine) adds the predicted step time beside the measured one. ``precision="bf16"`` computes in bf16 with
+    machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
+    step time and memory beside the measured ones. ``precision="bf16"`` computes in bf16 with
     fp32 master weights, optimizer state and gradient reduction. ``timeout`` (seconds) bounds the whole run and
     every collective: past it the workers are killed and :class:`LaunchTimeoutError` is raised."""
     from nbtrain.run.launch import launch
@@ -180,6 +181,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     if cluster is not None:
         import nbtrain
 
+        if cluster.num_devices != num_processes and cluster.num_nodes == 1:
+            # Cluster.detect() counts every core (or GPU) of this machine; the run uses num_processes of them
+            cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
