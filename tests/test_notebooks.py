@@ -84,7 +84,10 @@ def test_quickstart_plans_gpt2_and_trains_a_gpt_and_a_transformers_gpt2_here(tmp
 def test_hybrid_parallel_tutorial_runs_and_every_plan_verifies(tmp_path):
     nb = execute(NOTEBOOKS / "02_hybrid_parallel.ipynb", tmp_path, smoke=True)
     everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
-    assert "predicted" in everything and "measured" in everything
+    assert "nbtrain.plan chose:" in everything  # part 1: every strategy predicted at scale, and the search's pick
+    assert "measured step time" in everything and "predicted" in everything  # part 2: trained here
+    verdicts = everything.count("SAME TRAINING")  # part 3: nbtrain.verify on each plan trained here
+    assert verdicts >= 4 and "DIFFERENT" not in everything and "train like one process:" in everything
 
 
 def test_the_lab_with_reference_answers_passes_every_check(tmp_path):
