@@ -77,3 +77,44 @@ def test_bf16_compute_with_fp32_master_weights_trains_close_to_fp32():
     # bf16 keeps ~3 significant digits: the losses agree to about 1%, not to fp32's 1e-4
     assert results["bf16"].losses == pytest.approx(results["fp32"].losses, rel=2e-2)
     assert results["bf16"].losses != pytest.approx(results["fp32"].losses, rel=1e-6)  # bf16 really computed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2", "pp=2 mb=2"])
+def test_weights_saved_sharded_with_dcp_load_into_a_fresh_model_equal_to_the_gathered_ones(tmp_path, plan):
+    from nbtrain.run.weights import load_saved
+
+    data = tiny_batches(256)
+    torch.manual_seed(0)
+    gathered = nbtrain.build_preset("llama-tiny", device="cpu")
+    initial = {k: v.clone() for k, v in gathered.state_dict().items()}
+    nbtrain.fit(gathered, data, plan=plan, steps=3, num_processes=2, lr=1e-2, progress=False, timeout=180)
+    saved = nbtrain.build_preset("llama-tiny", device="cpu")
+    saved.load_state_dict(initial)
+    result = nbtrain.fit(saved, data, plan=plan, steps=3, num_processes=2, lr=1e-2, progress=False,
+                         save_dir=tmp_path / "weights", timeout=180)
+    assert result.state_dict == {} and "saved (sharded" in str(result)
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in initial.items())  # not loaded back: saved
+    fresh = load_saved(nbtrain.build_preset("llama-tiny", device="cpu"), tmp_path / "weights")
+    for k, v in gathered.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_loading_a_folder_without_a_checkpoint_says_so(tmp_path):
+    from nbtrain.errors import InvalidArgumentError
+    from nbtrain.run.weights import load_saved
+
+    with pytest.raises(InvalidArgumentError, match="holds no checkpoint"):
+        load_saved(nbtrain.build_preset("llama-tiny", device="cpu"), tmp_path)
+
+
+@pytest.mark.slow
+def test_a_learning_rate_schedule_changes_the_training_as_in_one_process():
+    # lr × 0 after the first step: the weights stop moving, so steps 2 and 3 see the same weights and batch 0/1
+    data = tiny_batches(512, n=1)
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    result = nbtrain.fit(model, data, plan="dp_shard=2", steps=3, num_processes=2, lr=1e-2, progress=False,
+                         lr_schedule=lambda step: 1.0 if step == 0 else 0.0, timeout=180)
+    first, second, third = result.losses
+    assert second < first and third == pytest.approx(second, rel=1e-6)

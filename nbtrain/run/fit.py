@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -40,7 +41,10 @@ class FitResult:
     predicted_memory_bytes: float | None = None
     """The cost model's memory per device for this plan (the largest stage), when a cluster was given."""
     state_dict: dict = field(default_factory=dict, repr=False)
-    """The trained weights, whole, on the CPU (already loaded into the model passed to ``fit``)."""
+    """The trained weights, whole, on the CPU (already loaded into the model passed to ``fit``); empty when they
+    were saved to ``save_dir`` instead."""
+    save_dir: str | None = None
+    """Where the trained weights were saved with ``torch.distributed.checkpoint``, when ``fit`` was asked to."""
 
     @property
     def losses(self) -> list[float]:
@@ -69,6 +73,9 @@ class FitResult:
         if self.predicted_memory_bytes is not None:
             line += f" · predicted per device: {format_bytes(self.predicted_memory_bytes)}"
         t.footer.append(line)
+        if self.save_dir:
+            t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "
+                            "load them with nbtrain.run.weights.load_saved(model, save_dir)")
         return t
 
     def __str__(self) -> str:
@@ -87,33 +94,43 @@ def _batch_source(data, steps: int) -> Callable[[int], tuple]:
     return lambda step: items[step % len(items)]
 
 
-def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss_fn, seed: int, progress: bool,
-            precision: str):
-    """Runs in every process: parallelize, train, gather the weights to rank 0."""
+@dataclass(frozen=True)
+class _Run:
+    """What every worker needs to know besides the model, plan and data."""
+
+    steps: int
+    lr: float
+    clip_norm: float | None
+    loss_fn: Callable
+    seed: int
+    progress: bool
+    precision: str
+    lr_schedule: Callable[[int], float] | None
+    save_dir: str | None
+
+
+def _worker(model, plan: Plan, get_batch, run: _Run):
+    """Runs in every process: parallelize, train, then gather the weights to rank 0 or save them sharded."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from nbtrain.run.mesh import PlanMeshes
-    from nbtrain.run.parallelize import layer_modules, parallelize, slot_module
+    from nbtrain.run.parallelize import parallelize
     from nbtrain.run.trainer import Trainer
+    from nbtrain.run.weights import gather_trained, save_trained, trained_prefixes
 
-    torch.manual_seed(seed)
+    torch.manual_seed(run.seed)
     meshes = PlanMeshes(plan)
-    names = {id(module): name for name, module in model.named_modules()}
-    start, end = plan.stage_ranges()[meshes.stage]
-    # the weights this stage trains, by name: the other stages' layers here are untouched copies
-    mine = tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_modules(model)[start:end]
-                 for parent, attr in slots)
+    mine = trained_prefixes(model, plan, meshes.stage)
     model = parallelize(model, plan, meshes)
     # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
     # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
-    optimizer = torch.optim.AdamW(_by_mesh(model), lr=lr, fused=True)
-    trainer = Trainer(model, plan, meshes, optimizer, loss_fn=loss_fn,
-                      clip_norm=clip_norm, precision=precision)
+    optimizer = torch.optim.AdamW(_by_mesh(model), lr=run.lr, fused=True)
+    trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
+                      lr_schedule=run.lr_schedule, precision=run.precision)
     rank0 = dist.get_rank() == 0
-    bar = _progress(steps) if progress and rank0 else None
+    bar = _progress(run.steps) if run.progress and rank0 else None
     records = []
-    for step in range(steps):
+    for step in range(run.steps):
         record = trainer.step(*get_batch(step))
         records.append(record)
         if bar is not None:
@@ -121,19 +138,11 @@ def _worker(model, plan: Plan, get_batch, steps: int, lr: float, clip_norm, loss
             bar.set_postfix(loss=f"{record.loss:.4f}")
     if bar is not None:
         bar.close()
-    # full tensors on every rank (with cpu_offload=True only global rank 0 would get them, and rank 0 does not
-    # hold the other pipeline stages' weights)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    state = {k.replace("_checkpoint_wrapped_module.", ""): v.detach().cpu() for k, v in state.items()}
-    trained = {k: v for k, v in state.items() if k.startswith(mine)} if dist.get_rank() % plan.devices_per_stage == 0 \
-        else {}
-    parts = [None] * dist.get_world_size() if rank0 else None
-    dist.gather_object(trained, parts, dst=0)  # each stage's first rank sends the weights its stage trained
-    if not rank0:
-        return None
-    for part in parts:
-        state.update(part)
-    return records, state
+    if run.save_dir is not None:
+        save_trained(model, mine, run.save_dir)
+        return (records, None) if rank0 else None
+    state = gather_trained(model, plan, mine)
+    return (records, state) if rank0 else None
 
 
 def _by_mesh(model: nn.Module) -> list[dict]:
@@ -152,14 +161,18 @@ def _progress(steps: int):
 
 
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
-        lr: float = 3e-4, clip_norm: float | None = 1.0, loss_fn: Callable = lm_loss, seed: int = 0,
-        cluster=None, progress: bool = True, precision: str = "fp32", timeout: float | None = None) -> FitResult:
+        lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
+        loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
+        save_dir=None, timeout: float | None = None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
     step time and memory beside the measured ones. ``precision="bf16"`` computes in bf16 with
-    fp32 master weights, optimizer state and gradient reduction. ``timeout`` (seconds) bounds the whole run and
-    every collective: past it the workers are killed and :class:`LaunchTimeoutError` is raised."""
+    fp32 master weights, optimizer state and gradient reduction. ``lr_schedule(step)`` multiplies ``lr``
+    (``LambdaLR``). ``save_dir`` saves the trained weights there with ``torch.distributed.checkpoint`` (each rank
+    its shards; for models too large to gather in one process) instead of loading them back; read them with
+    :func:`nbtrain.run.weights.load_saved`. ``timeout`` (seconds) bounds the whole run and every collective: past
+    it the workers are killed and :class:`LaunchTimeoutError` is raised."""
     from nbtrain.run.launch import launch
     from nbtrain.run.parallelize import check_plan, layer_modules
 
@@ -187,7 +200,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
-    records, state = launch(_worker, model, plan, get_batch, steps, lr, clip_norm, loss_fn, seed, progress,
-                            precision, num_processes=num_processes, timeout=timeout)
-    model.load_state_dict(state)
-    return FitResult(plan, records, predicted, predicted_memory, state)
+    run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
+               None if save_dir is None else str(Path(save_dir).resolve()))
+    records, state = launch(_worker, model, plan, get_batch, run, num_processes=num_processes, timeout=timeout)
+    if state is not None:
+        model.load_state_dict(state)
+    return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir)

@@ -1,0 +1,98 @@
+"""The trained weights out of the workers: gathered whole into the notebook, or saved sharded with DCP.
+
+    >>> state = gather_trained(model, plan, meshes, mine)   # in every worker; rank 0 gets the full state dict
+    >>> save_trained(model, mine, "ckpt/")                  # in every worker: each rank writes its shards
+    >>> load_saved(fresh_model, "ckpt/")                    # later, in one process
+
+Gathering suits models that fit one process's memory; ``torch.distributed.checkpoint`` suits the others: each
+rank writes the shards it holds (a pipeline stage only its own layers), and nothing is ever whole in memory until
+it is loaded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError
+
+_WRAPPED = "_checkpoint_wrapped_module."  # what checkpoint_wrapper adds to parameter names
+
+
+def trained_prefixes(model: nn.Module, plan, stage: int) -> tuple[str, ...]:
+    """Name prefixes of the layers pipeline stage ``stage`` trains (the other stages' layers in a process are
+    untouched copies), in the unwrapped model's names."""
+    from nbtrain.run.parallelize import layer_modules, slot_module
+
+    names = {id(module): name for name, module in model.named_modules()}
+    start, end = plan.stage_ranges()[stage]
+    return tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_modules(model)[start:end]
+                 for parent, attr in slots)
+
+
+def _state(model: nn.Module, full: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full))
+    return {k.replace(_WRAPPED, ""): v for k, v in state.items()}
+
+
+def gather_trained(model: nn.Module, plan, mine: tuple[str, ...]) -> dict | None:
+    """The whole trained state dict on rank 0 (None elsewhere): full tensors on every rank of a stage (with
+    ``cpu_offload`` only global rank 0 would get them, and it does not hold the other stages' weights), then each
+    stage's first rank sends the weights its stage trained."""
+    state = {k: v.detach().cpu() for k, v in _state(model, full=True).items()}
+    first_of_stage = dist.get_rank() % plan.devices_per_stage == 0
+    trained = {k: v for k, v in state.items() if k.startswith(mine)} if first_of_stage else {}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(trained, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    for part in parts:
+        state.update(part)
+    return state
+
+
+def save_trained(model: nn.Module, mine: tuple[str, ...], folder) -> None:
+    """Every rank writes the shards of the weights its stage trained into ``folder`` (DCP's format)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v for k, v in _state(model, full=False).items() if k.startswith(mine)}
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def load_saved(model: nn.Module, folder) -> nn.Module:
+    """Load weights that ``nbtrain.fit(..., save_dir=folder)`` saved into ``model`` (in this process, no group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (Path(folder) / ".metadata").is_file():
+        raise InvalidArgumentError(f"{folder} holds no checkpoint (no .metadata): pass the save_dir given to fit")
+    saved = set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    state = model.state_dict()
+    missing = sorted(set(state) - saved - _tied_aliases(model))
+    if missing:
+        raise InvalidArgumentError(f"{folder} was saved from another model: it lacks {', '.join(missing[:3])}"
+                                   + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    wanted = {k: v for k, v in state.items() if k in saved}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, checkpoint_id=str(folder), no_dist=True)
+    with torch.no_grad():
+        for k, v in wanted.items():
+            state[k].copy_(v)
+    return model
+
+
+def _tied_aliases(model: nn.Module) -> set[str]:
+    """State-dict names that share their tensor with an earlier name (a tied head): saved once, under the first."""
+    seen, aliases = set(), set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            aliases.add(name)
+        seen.add(id(tensor))
+    return aliases
