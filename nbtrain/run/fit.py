@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -155,9 +156,11 @@ def _by_mesh(model: nn.Module) -> list[dict]:
 def _progress(steps: int):
     if os.environ.get("NBTRAIN_NONINTERACTIVE"):
         return None
-    from tqdm.auto import tqdm
+    # the text bar, not tqdm.auto's widget: this runs in a forked worker, whose printed lines the kernel forwards to
+    # the cell, but which must not talk to the notebook over the kernel's own sockets (not fork-safe)
+    from tqdm.std import tqdm
 
-    return tqdm(total=steps, desc="training", unit="step")
+    return tqdm(total=steps, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
 
 
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
