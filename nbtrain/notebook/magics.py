@@ -48,7 +48,8 @@ class AutoparallelMagics(Magics):
     @argument("-q", dest="quiet", action="store_true", help="print only the one-line summary")
     @argument("--launch", action="store_true", help="then train the model here under the plan, scaled to "
                                                    "--processes, and load the trained weights back into it")
-    @argument("--processes", type=int, default=2, help="processes to train with (default 2)")
+    @argument("--processes", type=int, default=None, help="processes to train with (default: one per GPU here, "
+                                                          "or 2 CPU processes without a GPU)")
     @argument("--steps", type=int, default=10, help="training steps with --launch (default 10)")
     @argument("--lr", type=float, default=3e-4, help="AdamW learning rate with --launch (default 3e-4)")
     @argument("--seed", type=int, default=0, help="seed of the launch's workers and data (default 0)")
@@ -81,6 +82,8 @@ class AutoparallelMagics(Magics):
         self.shell.ex(self.shell.transform_cell(cell))  # the user's own code: its errors show as any cell's do
         name, model = find_model(namespace, before, args.model)
         data, loss_fn = self._lookup(args.data, "--data"), self._lookup(args.loss, "--loss")
+        if args.processes is None:
+            args.processes = _local_devices()
         _check_counts(args)
         job = plan_model(model, name, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                          memory=args.memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
@@ -128,6 +131,14 @@ class AutoparallelMagics(Magics):
                            seq_len=job.plan.seq_len)
         if explorer is not None:
             display(explorer)
+
+
+def _local_devices() -> int:
+    """The processes a launch here uses by default: one per visible GPU (counted without initialising CUDA, which
+    would break the workers' fork), else 2 CPU processes."""
+    from nbtrain.run.launch import visible_gpus
+
+    return visible_gpus() or 2
 
 
 def _unquoted(args):

@@ -67,7 +67,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
         raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     pg_timeout = datetime.timedelta(seconds=timeout) if timeout else _PG_TIMEOUT
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a torchrun / accelerate launch worker
-        with _cpu_env(_gpu_count() == 0):
+        with _cpu_env(visible_gpus() == 0):
             return _run_in_group(fn, args, kwargs, int(os.environ["WORLD_SIZE"]), pg_timeout)
 
     import torch.distributed as dist
@@ -75,7 +75,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     if dist.is_available() and dist.is_initialized():  # forked workers would inherit it and never form their own
         raise LaunchError(f"this process already has a process group (world size {dist.get_world_size()}); "
                           "call torch.distributed.destroy_process_group() first, or restart the kernel")
-    gpus = _gpu_count()
+    gpus = visible_gpus()
     _check_limit(num_processes, gpus)
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         raise InvalidArgumentError(f"port must be an int in 1..65535 or None (pick a free one), got {port!r}")
@@ -314,7 +314,7 @@ def _cpu_env(cpu_only: bool):
     return patch_environment(ACCELERATE_USE_CPU="1") if cpu_only else nullcontext()
 
 
-def _gpu_count() -> int:
+def visible_gpus() -> int:
     """GPUs visible, counted through NVML so that CUDA is not initialised in the parent (that would break fork)."""
     import torch
     from accelerate.utils import is_cuda_available
