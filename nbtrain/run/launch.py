@@ -42,6 +42,7 @@ from nbtrain.errors import InvalidArgumentError, LaunchError, LaunchTimeoutError
 # torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
 _PG_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default, used when no timeout is given
+_FORK_WAIT_S = 600  # how long a forked rank waits for the agent to fork the others
 
 
 def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int | None = None,
@@ -192,7 +193,9 @@ class _Worker:
 
     def _wait_until_all_forked(self, rank: int) -> None:
         try:
-            self.all_forked.wait(timeout=min(self.pg_timeout.total_seconds(), 300))
+            # Not the launch's timeout: the parent enforces that, and a short one (2 s) on a loaded machine would
+            # fail ranks whose peers are still being forked. This only bounds a rank the agent never forked.
+            self.all_forked.wait(timeout=_FORK_WAIT_S)
         except threading.BrokenBarrierError:
             raise LaunchError(f"rank {rank}: not all {self.num_processes} workers started; the machine may be out "
                               "of memory or processes") from None
