@@ -44,7 +44,7 @@ def test_changing_the_device_count_replans_and_shows_the_new_plan(prof, explorer
     assert html.escape(explorer.plan.summary()) in page
     assert "DDP" in page and "FSDP" in page  # the baseline comparison follows too
     # what the explorer recommends is what nbtrain.plan recommends for the same cluster
-    cluster = nbtrain.Cluster.from_catalog("H100", num_devices=2, devices_per_node=1)
+    cluster = nbtrain.Cluster.from_catalog("H100", num_devices=2, devices_per_node=2)  # per node followed
     assert explorer.plan == nbtrain.plan(prof, cluster, global_batch=8, seq_len=64)
 
 
@@ -113,3 +113,13 @@ def test_explore_in_a_kernel_returns_a_live_explorer(prof, monkeypatch):
     monkeypatch.setattr(IPython, "get_ipython", lambda: SimpleNamespace(kernel=object()))
     ex = explore(prof, num_devices=1, global_batch=8)
     assert isinstance(ex, widgets.PlanExplorer) and ex.plan.num_devices == 1
+
+
+def test_devices_per_node_follow_the_device_count_up_to_the_users_choice(prof):
+    explorer = PlanExplorer(prof, num_devices=1, devices_per_node=8, global_batch=8, seq_len=64)
+    explorer.controls["devices"].value = 2
+    assert explorer.controls["devices_per_node"].value == 2  # one node of two, not two nodes of one
+    assert explorer.plan.num_devices == 2
+    explorer.controls["devices_per_node"].value = 1
+    explorer.controls["devices"].value = 4
+    assert explorer.controls["devices_per_node"].value == 1  # the user chose one per node: kept

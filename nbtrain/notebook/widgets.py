@@ -134,11 +134,28 @@ class PlanExplorer:
             w.HBox([c["memory"], c["global_batch"], c["seq_len"]]),
             self.status, self.summary, self.memory, self.comparison,
         ])
+        self._per_node, self._following = devices_per_node, False
         for control in c.values():
             control.observe(self._changed, names="value")
         self.update()
 
     def _changed(self, change) -> None:
+        if self._following:
+            return
+        per_node = self.controls["devices_per_node"]
+        if change["owner"] is per_node:
+            self._per_node = change["new"]  # the user's choice, kept while the device count moves
+        elif change["owner"] is self.controls["devices"]:
+            # devices per node follow the device count: min(the user's choice, devices), so 1 → 2 devices is one
+            # node of 2, not two nodes of 1
+            wanted = min(self._per_node, change["new"])
+            if per_node.value != wanted:
+                self._following = True
+                try:
+                    per_node.options = sorted({*per_node.options, wanted})
+                    per_node.value = wanted
+                finally:
+                    self._following = False
         self.update()
 
     def _replan(self):
