@@ -1,0 +1,377 @@
+"""AdamW whose update runs partly on the CPU: overlapped with backward (CoTrain) or after it (ZeRO-Offload).
+
+    >>> opt = OffloadedAdamW.from_model(model, offload=plan, lr=3e-4, clip_norm=1.0)  # or offload=1.0, [0, 1, 1, 1]
+    >>> for ids, targets in batches:
+    ...     lm_loss(model(ids), targets).backward()   # each layer's CPU update starts once its gradients are in
+    ...     opt.step()                                # the device's share, wait for the CPU, weights copied back
+    ...     opt.zero_grad()
+    >>> timeline_plot(opt.last_trace)                 # device row: backward of each layer; cpu row: the updates
+
+What lives where. For the offloaded part of each layer (its ``offload`` fraction, cut by
+:func:`~nbtrain.run.offload_split.cut_layer`): an fp32 master copy (a tensor of its own, whatever the parameter's
+dtype: bf16 compute copies work), AdamW's two moments and its step count, on the CPU (pinned when a GPU exists).
+The rest is updated on the device by the same fused AdamW (through an fp32 master there when the parameter is not
+fp32). Gradients reach the CPU as backward produces them: from a GPU, copied asynchronously into pinned buffers;
+already in host memory (a CPU-only run), read where they are, as a DMA engine would, not the device's cores.
+
+Schedules. ``"overlap"`` (CoTrain): a post-accumulate-grad hook hands each parameter's gradient over as backward
+produces it; when all of a layer's offloaded gradients are in, its update is queued to ONE worker thread, which
+runs ``torch.optim.adamw.adamw(..., fused=True)`` (what ``AdamW(fused=True).step()`` runs) while backward goes on,
+then writes the new weights into host-memory parameters (backward is done with a weight once its gradient is final;
+a GPU's copies back wait for ``step()``). ``"after_backward"`` (ZeRO-Offload): the same hand-over, every update
+queued in ``step()``. In both, ``step()`` updates the device's share on the calling thread and waits for the worker
+(then copies a GPU's weights back): when it returns, the model holds exactly the new weights. Offload 0 everywhere
+is plain fused AdamW. Data parallel: :mod:`nbtrain.run.offload_ddp`.
+
+Threads. A kernel runs on the thread that calls it, with that thread's OpenMP thread count, and a new thread
+starts from the process-wide count. The worker sets its own count to ``threads`` (1) before any op, so it never
+starts an OpenMP team; with the process at one intra-op thread too (``nbtrain.launch`` sets it), backward and the
+CPU update each have one core (STACK.md: two threads per Python thread oversubscribe the cores and run slower).
+
+Gradient clipping (``clip_norm``) is exact. The norm needs every gradient; the overlap updates before backward
+has finished, so with clipping on each overlapped update is *speculative*. Before it, the worker saves what the
+update overwrites (master, moments, step: 12 bytes per offloaded parameter more CPU memory, allocated on first use,
+and a copy of 24 bytes per parameter per step, under half of AdamW's own ~28 bytes of traffic). It also sums the
+squared gradient norms it has seen: once that partial sum exceeds the limit the step is known to clip, and the
+remaining layers wait for ``step()`` (ZeRO-Offload's schedule) rather than being undone later. ``step()`` computes
+the norm as ``torch.nn.utils.clip_grad_norm_`` does (a norm per tensor, then the norm of those) and, when it exceeds
+the limit, undoes each speculative update from its saved copy and redoes it with the gradients scaled by
+``clip_norm / (norm + 1e-6)``. ``clipped_steps`` counts the clipped steps, ``rollbacks`` those in which an update
+had been speculated (undone, or dropped if it had not started yet). A step that clips costs up to one more CPU
+update of the layers speculated; one that does not, only the saves. ``"after_backward"`` never speculates.
+
+Learning rate. ``param_groups`` has one group per layer (``lr``, ``betas``, ``eps``, ``weight_decay``, and its
+``offload``) and the class is a ``torch.optim.Optimizer``, so ``LambdaLR(opt, f)`` drives it. A layer's update may
+start during backward, so a step's lr must be set before its backward: a scheduler stepped right after
+``opt.step()`` (the usual loop, and nbtrain's Trainer) does that.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from time import perf_counter
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.run.offload_ddp import attach_ddp
+from nbtrain.run.offload_split import cut_layer
+from nbtrain.run.offload_state import Layer, Piece, adamw_step, backward_events, load_state, save_state
+
+SCHEDULES = ("overlap", "after_backward")
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """AdamW with ``offload[i]`` of layer i's update on the CPU (module docstring: schedules, clipping, threads).
+
+    ``layers``: each layer's parameters, layers in forward order (a parameter listed twice, tied, belongs to its
+    first layer). ``offload``: one fraction for every layer, or one per layer (a plan's ``Strategy.offload``).
+    ``threads``: the worker's intra-op threads. Micro-batches: all but a step's last under :meth:`no_sync`.
+    """
+
+    def __init__(self, layers, offload=1.0, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, clip_norm: float | None = None, schedule: str = "overlap",
+                 threads: int = 1):
+        layers = [list(params) for params in layers]
+        fractions = [float(offload)] * len(layers) if isinstance(offload, (int, float)) else list(offload)
+        if schedule not in SCHEDULES:
+            raise InvalidArgumentError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+        if len(fractions) != len(layers):
+            raise InvalidArgumentError(f"{len(fractions)} offload fractions for {len(layers)} layers")
+        if any(not 0.0 <= f <= 1.0 for f in fractions):
+            raise InvalidArgumentError(f"offload fractions are between 0 and 1; got {fractions}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise InvalidArgumentError(f"clip_norm must be positive or None; got {clip_norm}")
+        if any(isinstance(p, DTensor) for params in layers for p in params):
+            raise InvalidPlanError("offload runs on plain and data-parallel (DDP) parameters; this model has DTensor "
+                                   "parameters (FSDP2 dp_shard or tensor parallel), which it does not support yet: "
+                                   "use dp_replicate for the offloaded layers, or offload=0")
+        seen, groups = set(), []
+        for params, f in zip(layers, fractions):
+            mine = [p for p in params if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            groups.append({"params": mine, "offload": f})
+        if not seen:
+            raise InvalidArgumentError("no parameter to optimize (none requires grad)")
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.clip_norm, self.schedule, self.threads = clip_norm, schedule, threads
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._layer_of, self._layers, self._pieces_of = [], [], [[] for _ in self._params]
+        for li, g in enumerate(self.param_groups):
+            pieces = [Piece(cut, self._index[id(cut.param)]) for cut in cut_layer(g["params"], g["offload"])]
+            for pc in pieces:
+                self._pieces_of[pc.index].append(pc)
+            self._layer_of += [li] * len(g["params"])
+            self._layers.append(Layer(li, pieces))
+        self._cpu_pieces_of = {i: [pc for pc in pcs if pc.on_cpu] for i, pcs in enumerate(self._pieces_of)
+                               if any(pc.on_cpu for pc in pcs)}
+        self._lock, self._executor, self._closed, self._sync, self._ddp = threading.Lock(), None, False, True, False
+        self._handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._param_hook(i, p))
+                         for i, p in enumerate(self._params)]
+        self._events, self._t0, self._spec_sq = [], perf_counter(), 0.0
+        self.last_trace: list[tuple[str, str, float, float]] = []
+        """The last step's ``(row, label, start_s, end_s)`` events, seconds from its start (``zero_grad()`` or the
+        end of the previous ``step()``): ``timeline_plot(opt.last_trace)``."""
+        self.last_grad_norm: float | None = None
+        """The last step's total gradient norm (before clipping), when clipping is on."""
+        self.last_overlapped, self._queued = 0, []
+        """How many layers' CPU updates the last step queued during backward (the rest waited for ``step()``)."""
+        self.clipped_steps = self.rollbacks = 0
+
+    @classmethod
+    def from_model(cls, model: nn.Module, offload=1.0, **kwargs) -> OffloadedAdamW:
+        """For an nbtrain GPT or a Hugging Face GPT-2 / Llama, bare or wrapped in DistributedDataParallel (then its
+        all-reduce hands over the gradients: :func:`~nbtrain.run.offload_ddp.attach_ddp`). ``offload`` may be a
+        ``Plan``: its layers' ``offload`` fractions."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from nbtrain.run.parallelize import layer_modules, slot_module
+
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        if hasattr(offload, "layers"):
+            offload = [s.offload for s in offload.layers]
+        layers = [[p for parent, attr in slots for p in slot_module(parent, attr).parameters()]
+                  for slots in layer_modules(inner)]
+        opt = cls(layers, offload, **kwargs)
+        if isinstance(model, DistributedDataParallel):
+            attach_ddp(opt, model)
+        return opt
+
+    @property
+    def cpu_fractions(self) -> list[float]:
+        """Per layer, the fraction of its parameters updated on the CPU (``offload`` rounded to whole elements)."""
+        return [sum(pc.tensor.numel() for pc in layer.cpu) / max(1, sum(p.numel() for p in g["params"]))
+                for layer, g in zip(self._layers, self.param_groups)]
+
+    def __repr__(self) -> str:
+        total = sum(p.numel() for p in self._params)
+        cpu = sum(pc.tensor.numel() for layer in self._layers for pc in layer.cpu)
+        clip = f", clip_norm={self.clip_norm}" if self.clip_norm else ""
+        return (f"OffloadedAdamW({self.schedule}, {len(self._layers)} layers, {cpu:,} of {total:,} parameters "
+                f"updated on the CPU ({cpu / total:.0%}){clip})")
+
+    # -- gradients arriving during backward -----------------------------------------------------------------------
+
+    def _param_hook(self, index: int, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        now, layer = perf_counter(), self._layers[self._layer_of[index]]
+        with self._lock:  # the times say when backward produced the gradient, with or without DDP
+            layer.first = now if layer.first is None else layer.first
+            layer.ready = now
+        if not self._ddp and index in self._cpu_pieces_of:
+            self._grad_arrived(index, param.grad)
+
+    def _grad_arrived(self, index: int, grad: torch.Tensor, submit: bool = True) -> None:
+        """``grad`` is the parameter's final gradient of this step (averaged over data-parallel ranks): copy it to
+        the host; once all of the layer's offloaded gradients are in, queue its update (``"overlap"``)."""
+        for pc in self._cpu_pieces_of[index]:
+            g = pc.view(grad)
+            if g.is_cuda:  # the transfer, into pinned memory, asynchronous: the worker waits for layer.event
+                if pc.host_grad is None:
+                    pc.host_grad = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+                pc.grad = pc.host_grad.copy_(g, non_blocking=True)
+            else:  # already in host memory, and final until the next backward, which step() keeps it from
+                pc.grad = g
+            if self.clip_norm is not None:
+                pc.norm = torch.linalg.vector_norm(g)
+                pc.norm_host = pc.norm.to("cpu", non_blocking=True) if g.is_cuda else pc.norm
+        layer = self._layers[self._layer_of[index]]
+        with self._lock:
+            if index in layer.arrived:
+                raise InvalidArgumentError(
+                    "a second backward before step(): the first one's gradients were already handed to the update. "
+                    "Accumulating micro-batches? Run all but the last under opt.no_sync() (with DDP, the model's "
+                    "no_sync())")
+            layer.arrived.add(index)
+            if layer.arrived == layer.cpu_params and not layer.futures:
+                if grad.is_cuda:  # the worker waits for the copies (and norms) to land on the host
+                    layer.event = torch.cuda.Event()
+                    layer.event.record()
+                if submit and self.schedule == "overlap":
+                    self._submit(layer, "final" if self.clip_norm is None else "speculative")
+                    self._queued.append(layer)
+
+    @contextmanager
+    def no_sync(self):
+        """Micro-batches before a step's last: gradients accumulate in ``.grad``, nothing is copied or queued (with
+        DDP, the model's own ``no_sync()`` already keeps its all-reduce, and so the hand-over, for the last)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # -- the worker thread ---------------------------------------------------------------------------------------
+
+    def _submit(self, layer: Layer, kind: str, scale: torch.Tensor | None = None) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="nbtrain-offload",
+                                                initializer=torch.set_num_threads, initargs=(self.threads,))
+        layer.futures.append(self._executor.submit(self._cpu_update, layer, kind, scale))
+
+    def _cpu_update(self, layer: Layer, kind: str, scale: torch.Tensor | None) -> None:
+        """On the worker, in queue order. ``kind``: ``"final"`` (the gradients are final), ``"speculative"`` (save,
+        then update, unless the step is already known to clip), ``"resolve"`` (after a speculative update: undo and
+        redo it with ``scale``, or run it if it was not)."""
+        start = perf_counter()
+        if layer.event is not None:
+            layer.event.synchronize()
+        pieces = [pc for pc in layer.cpu if pc.index in layer.arrived]
+        label = "update"
+        if kind == "speculative":
+            self._spec_sq += sum(float(pc.norm_host) ** 2 for pc in pieces)
+            if self._spec_sq > self.clip_norm ** 2:
+                layer.status = "deferred"
+                return
+            for pc in pieces:
+                pc.saved = pc.saved or [torch.empty_like(t) for t in pc.state()]
+            torch._foreach_copy_([t for pc in pieces for t in pc.saved], [t for pc in pieces for t in pc.state()])
+        elif kind == "resolve" and layer.status == "updated":
+            if scale is None:
+                return
+            torch._foreach_copy_([t for pc in pieces for t in pc.state()], [t for pc in pieces for t in pc.saved])
+            label = "redo"
+        if scale is not None and pieces:
+            torch._foreach_mul_([pc.grad for pc in pieces], scale)
+        grads = [g if g.dtype == torch.float32 else g.float() for g in (pc.grad for pc in pieces)]
+        adamw_step(pieces, grads, self.param_groups[layer.index])
+        for pc in pieces:
+            # Host memory: write the weights now. Backward is done with them (their gradients are final, and a
+            # weight's last use in backward is what completes its gradient), so this overlaps backward too.
+            if not pc.param.is_cuda:
+                pc.copy_back()
+        layer.status = "redone" if label == "redo" else "updated"
+        self._events.append(("cpu", f"{label} {layer.index}", start - self._t0, perf_counter() - self._t0))
+
+    # -- the step ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Clip (when asked), update the device's share, wait for the CPU's, copy the new weights into the model."""
+        if self._closed:
+            raise InvalidArgumentError("this OffloadedAdamW is closed; make a new one to go on training")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self._step()
+        finally:
+            self._end_step()
+        return loss
+
+    def _step(self) -> None:
+        for layer in self._layers:  # gradients no hook handed over (hooks off, or no .grad hook ran)
+            for i in sorted(layer.cpu_params - layer.arrived):
+                if self._params[i].grad is not None:
+                    self._grad_arrived(i, self._params[i].grad, submit=False)
+        device = [pc for layer in self._layers for pc in layer.device if pc.param.grad is not None]
+        device_grads = [pc.view(pc.param.grad) for pc in device]
+        scale = None
+        if self.clip_norm is not None:
+            for pc, g in zip(device, device_grads):
+                pc.norm = torch.linalg.vector_norm(g)
+            norms = [pc.norm for pcs in self._pieces_of for pc in pcs
+                     if (pc.on_cpu and pc.index in self._layers[self._layer_of[pc.index]].arrived)
+                     or (not pc.on_cpu and pc.param.grad is not None)]
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+            self.last_grad_norm = float(total)
+            coef = self.clip_norm / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+            if float(coef) < 1.0:
+                scale = coef
+                self.clipped_steps += 1
+                # the worker speculated unless the first layer queued already showed the step clips (as it decides)
+                first = self._queued[0].cpu if self._queued else []
+                self.rollbacks += bool(first) and sum(float(pc.norm_host) ** 2 for pc in first) <= self.clip_norm ** 2
+        cpu_scale = None if scale is None else scale.to("cpu")
+        for layer in reversed(self._layers):  # backward order: the CPU's queue stays in the order grads arrived
+            if not layer.arrived:
+                continue
+            if not layer.futures:
+                self._submit(layer, "final", cpu_scale)
+            elif self.clip_norm is not None:  # after a speculative update
+                if scale is not None and layer.futures[-1].cancel():
+                    layer.futures.pop()
+                self._submit(layer, "resolve", cpu_scale)
+        started = perf_counter()
+        if scale is not None and device_grads:
+            torch._foreach_mul_(device_grads, scale)
+        by_group: dict = {}
+        for pc, g in zip(device, device_grads):
+            group = self.param_groups[self._layer_of[pc.index]]
+            key = (group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            by_group.setdefault(key, (group, [], []))
+            by_group[key][1].append(pc)
+            by_group[key][2].append(g if g.dtype == torch.float32 else g.float())
+        for group, pieces, grads in by_group.values():
+            adamw_step(pieces, grads, group)
+            for pc in pieces:
+                pc.copy_back()
+        if device:
+            self._events.append(("device", "update", started - self._t0, perf_counter() - self._t0))
+        for layer in reversed(self._layers):
+            for future in layer.futures:
+                future.result()  # a worker's exception is raised here, with its traceback
+            on_device = [pc for pc in layer.cpu if pc.index in layer.arrived and pc.param.is_cuda]
+            if layer.futures and on_device:  # after the worker's update; stream-ordered before the next forward
+                copied = perf_counter()
+                for pc in on_device:
+                    pc.copy_back()
+                self._events.append(("device", f"weights {layer.index}", copied - self._t0,
+                                     perf_counter() - self._t0))
+
+    def _end_step(self) -> None:
+        """Wait for whatever is still queued (after a failure too: nothing may run on into the next step), record
+        the trace, forget the step."""
+        for layer in self._layers:
+            for future in layer.futures:
+                if not future.cancel():
+                    future.exception()  # waits; an exception was raised by step() already
+        self.last_trace = sorted(backward_events(self._layers, self._t0) + self._events, key=lambda e: e[2])
+        for layer in self._layers:
+            layer.reset()
+            for pc in layer.cpu:
+                pc.grad = None  # no gradient kept alive past zero_grad()
+        self.last_overlapped, self._queued = len(self._queued), []
+        self._events, self._spec_sq, self._t0 = [], 0.0, perf_counter()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``Optimizer.zero_grad``; it also marks the start of the next step for the trace."""
+        super().zero_grad(set_to_none)
+        self._t0 = perf_counter()
+
+    # -- life cycle and checkpoints -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove the hooks and stop the worker thread (waits for queued work). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> OffloadedAdamW:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def state_dict(self) -> dict:
+        """torch AdamW's layout (``state[i]``: ``step``, ``exp_avg``, ``exp_avg_sq``, whole tensors on the CPU) plus
+        ``master``, the fp32 weights; ``param_groups`` one per layer. Loads back whatever the offload split."""
+        return save_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Also takes a plain ``torch.optim.AdamW`` state dict over the same parameters (masters then come from the
+        model's weights). The model's parameters are set from the masters."""
+        load_state(self, state_dict)
+

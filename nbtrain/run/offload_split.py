@@ -1,0 +1,90 @@
+"""Which part of each layer's AdamW update runs on the CPU: the cut inside a layer, and the split point of a model.
+
+    >>> cut_layer([w, b], 0.5)                  # the CPU takes the last half of the layer's elements
+    [Cut(param=w, start=0, stop=..., on_cpu=False), Cut(param=w, ..., on_cpu=True), Cut(param=b, ..., on_cpu=True)]
+    >>> balanced_offload(backward_s=[...], cpu_update_s=[...], device_update_s=[...])
+    [0.0, 0.0, 0.6, 1.0, 1.0, 1.0]              # CoTrain's split: the first layers keep their update on the device
+
+Both follow one observation (CoTrain, REFERENCE.md): backward produces gradients from the last layer to the first,
+and the next forward needs the weights from the first layer to the last. What backward produces first can be
+updated on the CPU while backward goes on; what it produces last (the first layers, also needed first by the next
+forward) is best updated on the device, where it does not wait for a transfer or for the CPU's queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A contiguous run ``[start, stop)`` of one parameter's flattened elements, updated on one side."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    on_cpu: bool
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.param.numel()
+
+
+def cut_layer(params: list[torch.Tensor], fraction: float) -> list[Cut]:
+    """Cut a layer's parameters so that ``round(fraction × its elements)`` are updated on the CPU.
+
+    The CPU takes the *last* elements of the layer, in parameter order: backward reaches them first, so the CPU
+    part of the layer is complete earliest. At most one tensor is cut in two (AdamW is elementwise, so a tensor
+    updated in two pieces, each with its own moments, gives exactly the same result as in one)."""
+    total = sum(p.numel() for p in params)
+    boundary = total - round(fraction * total)  # flat position where the CPU part starts
+    cuts, offset = [], 0
+    for p in params:
+        n = p.numel()
+        split = min(max(boundary - offset, 0), n)
+        if split > 0:
+            cuts.append(Cut(p, 0, split, on_cpu=False))
+        if split < n:
+            cuts.append(Cut(p, split, n, on_cpu=True))
+        offset += n
+    return cuts
+
+
+def simulate_step(backward_s: list[float], cpu_update_s: list[float], device_update_s: list[float],
+                  offload: list[float]) -> tuple[float, float]:
+    """(device end, CPU end) in seconds after backward starts, for ``offload[i]`` of layer i's update on the CPU.
+
+    Layer i's gradients are ready when backward has run layers L-1 … i; the CPU updates layers one at a time in that
+    order, each starting when both its gradients and the CPU are ready; the device runs its share of the updates
+    after backward. A fraction f of a layer costs f of its CPU time and 1 - f of its device time."""
+    ready, t = [0.0] * len(backward_s), 0.0
+    for i in reversed(range(len(backward_s))):
+        t += backward_s[i]
+        ready[i] = t
+    cpu = 0.0
+    for i in reversed(range(len(backward_s))):
+        if offload[i] > 0:
+            cpu = max(cpu, ready[i]) + offload[i] * cpu_update_s[i]
+    device = ready[0] + sum((1 - f) * d for f, d in zip(offload, device_update_s))
+    return device, cpu
+
+
+def balanced_offload(backward_s: list[float], cpu_update_s: list[float], device_update_s: list[float],
+                     grain: int = 10) -> list[float]:
+    """CoTrain's split: the offload fraction per layer that ends the step soonest, from measured times.
+
+    Candidates keep layers ``0 … k-1`` on the device, offload layers ``k+1 …`` entirely and layer ``k`` by a
+    fraction in steps of ``1 / grain``; the one with the smallest ``max(device end, CPU end)`` of
+    :func:`simulate_step` wins, so neither side waits for the other longer than one grain of a layer. Ties go to
+    more offload (less device memory)."""
+    n = len(backward_s)
+    best, best_time = [1.0] * n, float("inf")
+    for k in range(n):  # from the most offload to the least
+        for g in reversed(range(grain + 1)):
+            offload = [0.0] * k + [g / grain] + [1.0] * (n - k - 1)
+            time = max(simulate_step(backward_s, cpu_update_s, device_update_s, offload))
+            if time < best_time - 1e-12:
+                best, best_time = offload, time
+    return best

@@ -1,0 +1,140 @@
+"""The AdamW state of each piece of a parameter (:class:`Piece`) and of each layer, its update, and checkpoints.
+
+A checkpoint of :class:`~nbtrain.run.offload.OffloadedAdamW` holds whole tensors per parameter, whatever the split.
+Its layout is ``torch.optim.AdamW``'s (``state[i]`` with ``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups``
+with ``params`` as indices) plus ``master``, the fp32 weights, so a state saved under one offload split loads under
+another, and a plain AdamW state dict over the same parameters loads too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adamw import adamw
+
+from nbtrain.errors import InvalidArgumentError
+
+
+class Piece:
+    """One cut of a parameter with its AdamW state. ``tensor`` is what AdamW updates: on the CPU the fp32 master;
+    on the device the parameter itself or a view of it, or an fp32 master when the parameter is in lower precision."""
+
+    def __init__(self, cut, index: int):
+        p = cut.param
+        self.param, self.index, self.start, self.stop, self.on_cpu, self.whole = \
+            p, index, cut.start, cut.stop, cut.on_cpu, cut.whole
+        if not self.whole and not p.is_contiguous():
+            raise InvalidArgumentError(f"a parameter of shape {tuple(p.shape)} to be cut between the CPU and the "
+                                       "device is not contiguous; make it contiguous or offload whole layers")
+        source = self.view(p.detach())
+        # host_grad: the pinned buffer a device's gradient is copied into; grad: what the CPU update reads
+        self.host_grad = self.grad = None
+        self.separate = self.on_cpu or p.dtype != torch.float32
+        if self.on_cpu:
+            self.tensor = torch.empty(source.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+            self.tensor.copy_(source)
+        elif p.dtype == torch.float32:
+            self.tensor = source  # updated in place
+        else:
+            self.tensor = source.float()
+        self.exp_avg = torch.zeros_like(self.tensor, memory_format=torch.contiguous_format)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.step = torch.zeros((), dtype=torch.float32, device=self.tensor.device)
+        self.norm = self.norm_host = self.saved = None
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of ``t``, a tensor shaped like the parameter (its gradient, its data)."""
+        return t if self.whole else t.reshape(-1)[self.start:self.stop]
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.tensor, self.exp_avg, self.exp_avg_sq, self.step]
+
+    def copy_back(self) -> None:
+        if self.separate:  # else AdamW updated the parameter in place
+            self.view(self.param.detach()).copy_(self.tensor, non_blocking=True)
+
+
+class Layer:
+    """A layer's pieces, and what the current step knows of it."""
+
+    def __init__(self, index: int, pieces: list[Piece]):
+        self.index = index
+        self.cpu = [pc for pc in pieces if pc.on_cpu]
+        self.device = [pc for pc in pieces if not pc.on_cpu]
+        self.cpu_params = {pc.index for pc in self.cpu}
+        self.reset()
+
+    def reset(self) -> None:
+        self.arrived: set[int] = set()  # parameters whose offloaded gradient is on the host
+        self.futures, self.status, self.event, self.first, self.ready = [], None, None, None, None
+
+
+def backward_events(layers: list[Layer], t0: float) -> list[tuple[str, str, float, float]]:
+    """Trace events of each layer's backward: from the previous layer's last gradient (or its own first) to its last."""
+    events, previous = [], None
+    for layer in reversed(layers):
+        if layer.ready is not None:
+            start = layer.first if previous is None else previous
+            events.append(("device", f"backward {layer.index}", start - t0, layer.ready - t0))
+            previous = layer.ready
+    return events
+
+
+def adamw_step(pieces: list[Piece], grads: list[torch.Tensor], group: dict) -> None:
+    """``torch.optim.AdamW(fused=True).step()``'s update of ``pieces`` with ``grads`` under ``group``'s settings."""
+    beta1, beta2 = group["betas"]
+    adamw([pc.tensor for pc in pieces], grads, [pc.exp_avg for pc in pieces], [pc.exp_avg_sq for pc in pieces], [],
+          [pc.step for pc in pieces], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+          weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+
+def _whole(pieces, name: str, param: torch.Tensor) -> torch.Tensor:
+    """One parameter's state tensor ``name``, its pieces joined, shaped like the parameter, on the CPU."""
+    flat = [getattr(pc, name).detach().reshape(-1).to("cpu", torch.float32) for pc in pieces]
+    return torch.cat(flat).view(param.shape).clone()
+
+
+def save_state(opt) -> dict:
+    if any(f for layer in opt._layers for f in layer.futures):
+        raise InvalidArgumentError("state_dict() during a step: call it between step() and the next backward")
+    state = {}
+    for i, (p, pieces) in enumerate(zip(opt._params, opt._pieces_of)):
+        state[i] = {"step": pieces[0].step.detach().to("cpu").clone(),
+                    "exp_avg": _whole(pieces, "exp_avg", p), "exp_avg_sq": _whole(pieces, "exp_avg_sq", p),
+                    "master": _whole(pieces, "tensor", p)}
+    groups, start = [], 0
+    for g in opt.param_groups:
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(range(start, start +
+                                                                                          len(g["params"])))})
+        start += len(g["params"])
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_state(opt, state_dict: dict) -> None:
+    groups = state_dict["param_groups"]
+    saved = [i for g in groups for i in g["params"]]
+    if len(saved) != len(opt._params):
+        raise InvalidArgumentError(f"the state dict holds {len(saved)} parameters, this optimizer {len(opt._params)}")
+    for i, p, pieces in zip(saved, opt._params, opt._pieces_of):
+        entry = state_dict["state"].get(i, {})
+        for name in ("exp_avg", "exp_avg_sq", "master"):
+            if name in entry and tuple(entry[name].shape) != tuple(p.shape):
+                raise InvalidArgumentError(f"parameter {i}: {name} of shape {tuple(entry[name].shape)} in the state "
+                                           f"dict, {tuple(p.shape)} here")
+        master = entry.get("master", p.detach()).reshape(-1)
+        zeros = torch.zeros(p.numel())
+        for pc in pieces:
+            pc.step.copy_(entry.get("step", torch.zeros(())))
+            pc.exp_avg.copy_(pc.view(entry.get("exp_avg", zeros).reshape(p.shape)))
+            pc.exp_avg_sq.copy_(pc.view(entry.get("exp_avg_sq", zeros).reshape(p.shape)))
+            pc.tensor.copy_(pc.view(master.view(p.shape)))
+            pc.copy_back()
+    if len(groups) == len(opt.param_groups):  # one group per layer: take its hyper-parameters
+        for mine, theirs in zip(opt.param_groups, groups):
+            mine.update({k: theirs[k] for k in HYPER if k in theirs})
+    else:  # e.g. a plain AdamW's single group
+        for mine in opt.param_groups:
+            mine.update({k: groups[0][k] for k in HYPER if k in groups[0]})
