@@ -118,3 +118,38 @@ def test_a_learning_rate_schedule_changes_the_training_as_in_one_process():
                          lr_schedule=lambda step: 1.0 if step == 0 else 0.0, timeout=180)
     first, second, third = result.losses
     assert second < first and third == pytest.approx(second, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,processes", [
+    ("offload=1", 1),
+    ("0-1: offload=0; 2-5: offload=1", 1),
+    ("dp_replicate=2 offload=1", 2),
+    ("mb=2 | 0-2: dp_replicate=2; 3-5: dp_replicate=2 offload=0.5", 2),
+])
+def test_cpu_update_offload_trains_like_the_device_update_and_records_the_overlap(plan, processes):
+    # clip_norm 0.05 is under the gradients' norm on every step: the exact (speculate and roll back) path runs
+    data = tiny_batches(256)
+    runs = {}
+    for text in (plan, plan.replace("offload=1", "offload=0").replace("offload=0.5", "offload=0")):
+        torch.manual_seed(0)
+        model = nbtrain.build_preset("llama-tiny", device="cpu")
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        runs[text] = nbtrain.fit(model, data, plan=text, steps=5, num_processes=processes, lr=1e-2, clip_norm=0.05,
+                                 progress=False, timeout=180)
+    offloaded, on_device = runs.values()
+    assert offloaded.losses == pytest.approx(on_device.losses, rel=1e-4)
+    # weights as `nbtrain verify` compares them: Adam moves elements with sub-epsilon gradients by ~lr whatever the
+    # gradient, so the last bits of a norm's summation order show there; a wrong update moves everything
+    apart = sum(float((offloaded.state_dict[k] - v).square().sum()) for k, v in on_device.state_dict.items())
+    moved = sum(float((v - initial[k]).square().sum()) for k, v in on_device.state_dict.items())
+    assert apart ** 0.5 <= 1e-3 * moved ** 0.5
+    rows = {row for row, *_ in offloaded.trace}
+    assert rows == {"device", "cpu"} and on_device.trace is None
+
+
+def test_offload_with_sharding_is_refused_before_anything_is_launched():
+    model = nbtrain.build_preset("llama-tiny", device="cpu")
+    with pytest.raises(InvalidPlanError, match="offload=1; the executor runs the CPU update offload with one process "
+                                               "or plain data parallel"):
+        nbtrain.fit(model, tiny_batches(256), plan="dp_shard=2 offload=1", steps=1, num_processes=2)

@@ -46,6 +46,9 @@ class FitResult:
     were saved to ``save_dir`` instead."""
     save_dir: str | None = None
     """Where the trained weights were saved with ``torch.distributed.checkpoint``, when ``fit`` was asked to."""
+    trace: list | None = None
+    """With CPU update offload, rank 0's last step as ``(row, label, start_s, end_s)`` events: each layer's
+    backward on the "device" row, its update on the "cpu" row (``nbtrain.notebook.plots.timeline_plot``)."""
 
     @property
     def losses(self) -> list[float]:
@@ -123,9 +126,14 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
     model = parallelize(model, plan, meshes)
-    # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
-    # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
-    optimizer = torch.optim.AdamW(_by_mesh(model), lr=run.lr, fused=True)
+    if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
+        from nbtrain.run.offload import OffloadedAdamW
+
+        optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm)
+    else:
+        # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
+        # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
+        optimizer = torch.optim.AdamW(_by_mesh(model), lr=run.lr, fused=True)
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
                       lr_schedule=run.lr_schedule, precision=run.precision)
     rank0 = dist.get_rank() == 0
@@ -139,11 +147,14 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
             bar.set_postfix(loss=f"{record.loss:.4f}")
     if bar is not None:
         bar.close()
+    trace = getattr(optimizer, "last_trace", None)
+    if hasattr(optimizer, "close"):
+        optimizer.close()
     if run.save_dir is not None:
         save_trained(model, mine, run.save_dir)
-        return (records, None) if rank0 else None
+        return (records, None, trace) if rank0 else None
     state = gather_trained(model, plan, mine)
-    return (records, state) if rank0 else None
+    return (records, state, trace) if rank0 else None
 
 
 def _by_mesh(model: nn.Module) -> list[dict]:
@@ -205,7 +216,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()))
-    records, state = launch(_worker, model, plan, get_batch, run, num_processes=num_processes, timeout=timeout)
+    records, state, trace = launch(_worker, model, plan, get_batch, run, num_processes=num_processes,
+                                   timeout=timeout)
     if state is not None:
         model.load_state_dict(state)
-    return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir)
+    return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace)

@@ -100,6 +100,13 @@ class Trainer:
         self.autocast = torch.autocast(device_type=device_type(), dtype=torch.bfloat16, enabled=precision == "bf16")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
         self.steps_done = 0
+        from nbtrain.run.offload import OffloadedAdamW
+
+        self.offloaded = isinstance(optimizer, OffloadedAdamW)
+        if self.offloaded and optimizer.clip_norm != clip_norm:
+            raise InvalidArgumentError(f"the offloaded optimizer clips at {optimizer.clip_norm} but the Trainer was "
+                                       f"given clip_norm={clip_norm}; build it with OffloadedAdamW(..., "
+                                       f"clip_norm={clip_norm})")
         self.pipeline = None
         if plan.pp > 1:
             from nbtrain.run.pipeline import PipelineRunner
@@ -138,8 +145,13 @@ class Trainer:
             total = self._accumulate(ids, targets)
             per_stage = dist.get_world_size()
         pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
-        norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group) if self.clip_norm else None
-        self.optimizer.step()
+        if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload.py)
+            self.optimizer.step()
+            norm = self.optimizer.last_grad_norm if self.clip_norm else None
+        else:
+            norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group) if self.clip_norm \
+                else None
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -153,6 +165,8 @@ class Trainer:
         """Reduce gradients over data-parallel ranks only after the last micro-batch of a step."""
         if isinstance(self.model, DistributedDataParallel):
             return nullcontext() if enabled else self.model.no_sync()
+        if self.offloaded:  # one process: the optimizer's own hooks hand gradients over after the last one
+            return nullcontext() if enabled else self.optimizer.no_sync()
         if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
             self.model.set_requires_gradient_sync(enabled)
         return nullcontext()
