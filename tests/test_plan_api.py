@@ -84,6 +84,22 @@ def test_a_batch_too_small_to_split_over_the_devices_is_named_not_blamed_on_memo
     assert nbtrain.plan(profile, h100s(64), global_batch=64, seq_len=64).predicted.fits  # as the message says
 
 
+@pytest.mark.slow
+def test_a_model_too_large_for_its_device_gets_cpu_update_offload_and_fits():
+    # gpt2-xl (1.56 B parameters) with mixed-precision Adam: 16 bytes per parameter = 23 GiB of model states alone,
+    # over a 16 GiB device; fp32 master weights and Adam moments on the CPU (12 of the 16 bytes) bring it under
+    from nbtrain.planner.search import SearchOptions
+
+    profile = nbtrain.profile("gpt2-xl", batch_size=1, seq_len=1024)
+    one = nbtrain.Cluster.from_catalog("V100", num_devices=1, device_memory="16GiB")
+    best = nbtrain.plan(profile, one, global_batch=8, seq_len=1024)
+    assert best.predicted.fits and any(s.offload > 0 for s in best.layers)
+    with pytest.raises(NoFeasiblePlanError, match=r"the leanest plan nbtrain knows, '[^']*', needs (2\d|1[7-9])\.\d+ "
+                                                  r"GiB.*or let the plan update on the CPU") as error:
+        nbtrain.plan(profile, one, global_batch=8, seq_len=1024, options=SearchOptions(offload_levels=(0.0,)))
+    assert "offload" not in str(error.value).split("'")[1]  # the leanest plan named is one the search may choose
+
+
 def test_a_tp_degree_that_does_not_divide_the_heads_is_refused(llama7b):
     profile = nbtrain.profile("gpt2", batch_size=1, seq_len=512)  # 12 heads
     with pytest.raises(InvalidPlanError, match="tp=8 does not divide the 12 attention heads"):

@@ -119,15 +119,17 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
              if b.fits and b.options == cost_options and respects_ties(profile, b.plan)]
     ranked = sorted(found + [p for p in known if p not in found], key=lambda p: p.predicted.step_time_s)
     if not ranked:
-        raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options))
+        raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options,
+                                                  options))
     best, rest = ranked[0], tuple(ranked[1:top])
     notes = (f"tensor parallelism was not searched: {profile.arch['no_tensor_parallel']}",) \
         if profile.arch.get("no_tensor_parallel") else ()
     return best.replace(predicted=best.predicted, alternatives=rest, notes=notes)
 
 
-def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options) -> str:
-    """Say what the leanest plan nbtrain knows would need, and what to change."""
+def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options,
+                    options: SearchOptions = SearchOptions()) -> str:
+    """Say what the leanest plan the search was allowed would need, and what to change."""
     n = cluster.num_devices
     lean = []
     for pp in _power_of_two_divisors(n):
@@ -137,7 +139,8 @@ def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_option
         d = n // pp
         dp = max(k for k in _power_of_two_divisors(d) if global_batch % (m * k) == 0) if global_batch % m == 0 else 1
         tp = d // dp
-        layers = (Strategy(dp_shard=dp, tp=tp, ac=True, offload=1.0),) * len(profile.layers)
+        layers = (Strategy(dp_shard=dp, tp=tp, ac=options.allow_ac, offload=max(options.offload_levels)),) * \
+            len(profile.layers)
         try:
             candidate = Plan(num_devices=n, layers=layers, pp=pp, microbatches=m, global_batch=global_batch,
                              seq_len=seq_len, model=profile.model)
@@ -159,6 +162,8 @@ def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_option
         return (f"no plan splits this model over {n} devices with a global batch of {global_batch}: "
                 f"{'; '.join(limits)}. Use a global batch that is a multiple of {n}, or fewer devices")
     need, leanest = min(lean, key=lambda x: x[0])
+    offload = "" if max(options.offload_levels) > 0 else \
+        ", or let the plan update on the CPU (SearchOptions(offload_levels=(0.0, 0.5, 1.0)); %%autoparallel --offload)"
     return (f"no plan fits {budget_text} per device on {n} × {cluster.device}: the leanest plan nbtrain knows, "
             f"'{leanest}', needs {format_bytes(need)} per device; use devices with at least that much memory, more "
-            "devices, or a smaller global batch or sequence length")
+            f"devices, or a smaller global batch or sequence length{offload}")
