@@ -30,9 +30,11 @@ DEMO_MODEL = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_kv
                        tie_embeddings=False)
 
 
-def stdlib_batches(batch: int, seq: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def stdlib_batches(batch: int, seq: int, count: int, seed: int = 0,
+                   vocab_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` batches of ``batch`` windows of ``seq + 1`` bytes from Python's standard library sources:
-    real text that is on every machine. Token = byte (vocabulary 256)."""
+    real text that is on every machine. Token = byte; a vocabulary smaller than 256 takes the bytes folded into it
+    (``byte % vocab_size``)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4 * (seq + 1))[:200]
     rng = random.Random(seed)
@@ -42,7 +44,7 @@ def stdlib_batches(batch: int, seq: int, count: int, seed: int = 0) -> list[tupl
         for _ in range(batch):
             data = rng.choice(files).read_bytes()
             start = rng.randrange(len(data) - seq - 1)
-            rows.append(torch.tensor(list(data[start:start + seq + 1])))
+            rows.append(torch.tensor(list(data[start:start + seq + 1])) % vocab_size)
         window = torch.stack(rows)
         out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
     return out

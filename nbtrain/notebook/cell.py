@@ -12,13 +12,9 @@ these; tests call them directly.
 
 from __future__ import annotations
 
-import pathlib
-import random
-import sysconfig
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from nbtrain.errors import InvalidArgumentError
@@ -120,25 +116,6 @@ def _dtype(text: str) -> str:
     return names[text]
 
 
-def local_batches(vocab_size: int, rows: int, seq: int, count: int, seed: int = 0) -> list[tuple]:
-    """``count`` batches of ``rows`` × ``seq`` tokens to train on when the cell gives no data: byte windows of
-    Python's standard library sources (real text, on every machine) when the vocabulary holds all 256 bytes,
-    else token ids of that text folded into the vocabulary."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4 * (seq + 1))[:200]
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        windows = []
-        for _ in range(rows):
-            data = rng.choice(files).read_bytes()
-            start = rng.randrange(len(data) - seq - 1)
-            windows.append(torch.tensor(list(data[start:start + seq + 1])) % vocab_size)
-        window = torch.stack(windows)
-        out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
-    return out
-
-
 def vocab_size(model: nn.Module) -> int:
     from nbtrain.models.adapters import detect_family
 
@@ -154,6 +131,7 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
     are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted)."""
     import nbtrain
+    from nbtrain.demo import stdlib_batches
     from nbtrain.planner.scale import scale_plan
     from nbtrain.profiler.model import lm_loss
 
@@ -163,7 +141,8 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     else:
         seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
         local = scale_plan(plan, processes, seq_len=seq)
-        data = local_batches(vocab_size(model), local.global_batch, seq, count=steps, seed=seed)
-    here = nbtrain.Cluster.detect(calibrate=False).replace(num_devices=processes, devices_per_node=processes)
+        data = stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
+    # this machine's cluster, for the prediction beside the measurement (fit narrows it to the processes)
+    here = nbtrain.Cluster.detect(calibrate=False)
     return nbtrain.fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout)
