@@ -149,6 +149,11 @@ def _verdict(name: str, ok: bool | None, why: str, details: list[str] = ()) -> b
     return bool(ok)
 
 
+def _known_mistake(value: float, mistakes: list[tuple[float, str]]) -> str:
+    """The explanation of the first common wrong answer ``value`` matches within 2%, or ""."""
+    return next((why for guess, why in mistakes if abs(value - guess) <= 0.02 * guess), "")
+
+
 def _checked(name: str, hint: str):
     """Decorate a check: None → "no answer yet", an unreadable answer or any surprise → "not quite", never raise."""
     def wrap(fn):
@@ -336,7 +341,7 @@ def check_zero3(answer) -> bool:
                 (12 * psi / n / GiB, "that is the optimizer state alone: add the bf16 parameters and gradients"),
                 (4 * psi / n / GiB, "that counts the parameters and gradients only: Adam's fp32 state is 12Ψ"),
                 (psi / n / GiB, "that counts one byte per parameter: each takes 16 bytes in mixed-precision Adam")]
-    hint = next((why for guess, why in mistakes if abs(value - guess) <= 0.02 * guess), "")
+    hint = _known_mistake(value, mistakes)
     return _verdict("zero3", False, f"{value:.2f} GiB{' — ' + hint if hint else ''}; the model states are "
                                     f"{formula}", details)
 
@@ -381,7 +386,7 @@ def check_checkpointing(answer) -> bool:
                                  "input"),
                 ((full - kept) / GiB, f"that is one block; there are {n}"),
                 (n * kept / GiB, "that is what the blocks keep with checkpointing, not what they save")]
-    hint = next((why for guess, why in mistakes if abs(value - guess) <= 0.02 * guess), "")
+    hint = _known_mistake(value, mistakes)
     return _verdict("checkpointing", False, f"{value:.2f} GiB{' — ' + hint if hint else ''}; checkpointing saves "
                                             f"{formula}", details)
 
