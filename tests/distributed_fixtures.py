@@ -108,16 +108,16 @@ def _worker(rank, world, port, build, plans, clip_norm, queue):
             dist.destroy_process_group()
 
 
-def distributed_losses(build, plans: list[str], world: int, clip_norm: float | None = None,
-                       timeout: float = 300) -> dict:
-    """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
+def spawn_group(worker, world: int, *args, timeout: float = 300):
+    """Spawn ``world`` gloo workers ``worker(rank, world, port, *args, queue)``, each putting ``(rank, "ok",
+    payload)`` or ``(rank, "error", traceback)`` on the queue; returns rank 0's payload, or fails with the first
+    worker's traceback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, build, plans, clip_norm, queue), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -131,3 +131,9 @@ def distributed_losses(build, plans: list[str], world: int, clip_norm: float | N
     if errors:
         raise AssertionError("a worker failed:\n" + errors[0])
     return next(payload for rank, _, payload in answers if rank == 0)
+
+
+def distributed_losses(build, plans: list[str], world: int, clip_norm: float | None = None,
+                       timeout: float = 300) -> dict:
+    """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
+    return spawn_group(_worker, world, build, plans, clip_norm, timeout=timeout)

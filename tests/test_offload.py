@@ -9,13 +9,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import threading
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models import GPT, GPTConfig
@@ -23,7 +21,7 @@ from nbtrain.notebook.plots import timeline_plot
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.offload import OffloadedAdamW
 from nbtrain.run.offload_split import balanced_offload, cut_layer
-from tests.distributed_fixtures import BATCH, GPT_TINY, batches
+from tests.distributed_fixtures import BATCH, GPT_TINY, batches, spawn_group
 
 STEPS = 6
 LR = 1e-2
@@ -381,24 +379,7 @@ def _ddp_worker(rank, world, port, queue):
 
 @pytest.mark.slow
 def test_two_ddp_processes_train_as_one_process_on_the_whole_batch():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, queue), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        answers = [queue.get(timeout=300) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [payload for _, status, payload in answers if status == "error"]
-    assert not errors, "a worker failed:\n" + errors[0]
-    results = next(payload for rank, _, payload in answers if rank == 0)
+    results = spawn_group(_ddp_worker, 2)
     assert "dp_shard" in results.pop("fsdp")
     for name, (losses, weights, overlapped, rollbacks) in results.items():
         clip = DDP_CASES[name].get("clip_norm")
