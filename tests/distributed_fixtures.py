@@ -6,6 +6,7 @@ in one process group, so the ~5 s of ``import torch`` per process is paid once p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -137,3 +138,13 @@ def distributed_losses(build, plans: list[str], world: int, clip_norm: float | N
                        timeout: float = 300) -> dict:
     """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
     return spawn_group(_worker, world, build, plans, clip_norm, timeout=timeout)
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A gloo process group of this process alone (an in-memory store), destroyed on exit."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -126,6 +126,8 @@ def test_a_learning_rate_schedule_changes_the_training_as_in_one_process():
     ("0-1: offload=0; 2-5: offload=1", 1),
     ("dp_replicate=2 offload=1", 2),
     ("mb=2 | 0-2: dp_replicate=2; 3-5: dp_replicate=2 offload=0.5", 2),
+    ("dp_shard=2 offload=1", 2),
+    ("mb=2 | 0-2: dp_shard=2 offload=0.5; 3-5: dp_replicate=2 offload=1", 2),
 ])
 def test_cpu_update_offload_trains_like_the_device_update_and_records_the_overlap(plan, processes):
     # clip_norm 0.05 is under the gradients' norm on every step: the exact (speculate and roll back) path runs
@@ -148,8 +150,8 @@ def test_cpu_update_offload_trains_like_the_device_update_and_records_the_overla
     assert rows == {"device", "cpu"} and on_device.trace is None
 
 
-def test_offload_with_sharding_is_refused_before_anything_is_launched():
+def test_offload_with_tensor_parallelism_is_refused_before_anything_is_launched():
     model = nbtrain.build_preset("llama-tiny", device="cpu")
-    with pytest.raises(InvalidPlanError, match="offload=1; the executor runs the CPU update offload with one process "
-                                               "or plain data parallel"):
-        nbtrain.fit(model, tiny_batches(256), plan="dp_shard=2 offload=1", steps=1, num_processes=2)
+    with pytest.raises(InvalidPlanError, match="offload=1; the executor runs the CPU update offload with data "
+                                               "parallelism"):
+        nbtrain.fit(model, tiny_batches(256), plan="tp=2 offload=1", steps=1, num_processes=2)

@@ -3,7 +3,7 @@
     .venv/bin/pytest tests/test_search_exact.py -q          # about 20 s on 2 cores
 
 The brute force here shares nothing with the search but the definition of the space (``strategy_space`` with the
-same options, the pp and micro-batch rules of ``search``'s docstring) and the cost model: it builds every
+same options, the pp, micro-batch and offload rules of ``search``'s docstring) and the cost model: it builds every
 :class:`Plan` — each pp, micro-batch count, schedule, partition into contiguous non-empty stages and strategy per
 layer — and keeps the fastest whose ``CostModel.estimate`` fits. Instances are small enough that each stage's
 frontier stays under ``frontier.EXACT_LIMIT`` (checked), where the search promises exactness, not a memory grid.
@@ -71,8 +71,8 @@ def space(inst: Instance, pp: int, m: int) -> list[Strategy]:
     o, c = inst.options, inst.cluster
     heads = inst.profile.arch["n_kv_head"]
     return [s for s in strategy_space(c.num_devices // pp, devices_per_node=c.devices_per_node, max_tp=o.max_tp,
-                                      offload_levels=o.offload_levels, allow_ac=o.allow_ac,
-                                      zero_levels=o.zero_levels)
+                                      offload_levels=o.offload_levels if pp == 1 else (0.0,),
+                                      allow_ac=o.allow_ac, zero_levels=o.zero_levels)
             if inst.global_batch % (m * s.dp) == 0 and heads % s.tp == 0]
 
 
@@ -320,7 +320,8 @@ def test_the_recommended_plan_is_never_slower_than_a_uniform_plan_that_fits(seed
     uniform = []
     for pp in (p for p in (1, 2, 4, 8) if p <= n):
         for m in (m for m in (1, 2, 4, 8, 16, 32) if pp <= m <= batch):
-            for s in strategy_space(8 // pp, devices_per_node=cl.devices_per_node, offload_levels=opts.offload_levels,
+            for s in strategy_space(8 // pp, devices_per_node=cl.devices_per_node,
+                                    offload_levels=opts.offload_levels if pp == 1 else (0.0,),
                                     allow_ac=opts.allow_ac, zero_levels=opts.zero_levels):
                 if batch % (m * s.dp) == 0:
                     plan = Plan(num_devices=8, layers=(s,) * n, pp=pp, microbatches=m, global_batch=batch)

@@ -81,8 +81,7 @@ def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn)
     cluster = nbtrain.Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
     batch = batch or 4 * gpus
-    # The executor runs the CPU update offload only with one process or plain data parallel so far: plans
-    # without it unless asked.
+    # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
     options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
     best = nbtrain.plan(profile, cluster, global_batch=batch, seq_len=seq, memory=memory, strategy=strategy,
                         top=top, options=options)

@@ -6,7 +6,7 @@
 For every pipeline degree ``pp`` (powers of two up to the layer count) and micro-batch count ``m`` (powers of two,
 ``pp ≤ m ≤`` global batch), the per-layer strategies come from the pruned space of
 :func:`~nbtrain.planner.strategy.strategy_space` (TP inside a node and dividing the heads, each data-parallel rank
-with at least one sequence). Per stage, :mod:`.frontier` finds the fastest strategies under the memory budget
+with at least one sequence; CPU update offload only without pipeline stages, as the executor runs it). Per stage, :mod:`.frontier` finds the fastest strategies under the memory budget
 exactly. Stage boundaries are chosen exactly too: ``Σᵢ Tᵢ + (m − 1)·maxᵢ Tᵢ`` is minimised over every partition by
 fixing the largest stage time ``τ`` (each candidate at once, vectorised) and minimising the sum of stage times
 under it — the balance of time *and* memory that Galvatron-BMW's paper asks for, where its public code splits
@@ -225,7 +225,8 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
                 continue
             space = [s for s in strategy_space(cluster.num_devices // pp, devices_per_node=cluster.devices_per_node,
                                                max_tp=max_tp, max_dp=batch // m,
-                                               offload_levels=opts.offload_levels, allow_ac=opts.allow_ac,
+                                               offload_levels=opts.offload_levels if pp == 1 else (0.0,),
+                                               allow_ac=opts.allow_ac,
                                                zero_levels=opts.zero_levels)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)]
             if not space:

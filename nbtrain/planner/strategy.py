@@ -346,7 +346,7 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
     """Every strategy one layer may take on ``devices`` devices (one pipeline stage), pruned as Galvatron does:
     power-of-two degrees, dp_replicate × dp_shard × tp == devices, tp inside a node (≤ devices_per_node) and
     ≤ max_tp, dp ≤ max_dp (the micro-batch size: each data-parallel rank needs at least one sequence), a ZeRO
-    level only when dp_shard > 1. Ordered by tp, dp_shard, zero, ac, offload, each ascending. Empty when the
+    level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers). Ordered by tp, dp_shard, zero, ac, offload, each ascending. Empty when the
     caps leave nothing (e.g. 16 devices, 8 per node, max_dp=1).
 
         >>> [str(s) for s in strategy_space(2, devices_per_node=8, allow_ac=False)]
@@ -373,7 +373,7 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
         for dp_shard in (p for p in powers if p <= dp):
             for zero in zero_levels if dp_shard > 1 else (3,):
                 for ac in (False, True) if allow_ac else (False,):
-                    for offload in sorted(set(offload_levels)):
+                    for offload in sorted(set(offload_levels)) if tp == 1 else (0.0,):
                         s = Strategy(dp // dp_shard, dp_shard, zero, tp, ac, offload)
                         if not out or out[-1] != s:  # two levels may be equal once rounded to 0.001
                             out.append(s)

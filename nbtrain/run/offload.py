@@ -21,7 +21,10 @@ then writes the new weights into host-memory parameters (backward is done with a
 a GPU's copies back wait for ``step()``). ``"after_backward"`` (ZeRO-Offload): the same hand-over, every update
 queued in ``step()``. In both, ``step()`` updates the device's share on the calling thread and waits for the worker
 (then copies a GPU's weights back): when it returns, the model holds exactly the new weights. Offload 0 everywhere
-is plain fused AdamW. Data parallel: :mod:`nbtrain.run.offload_ddp`.
+is plain fused AdamW. Data parallel under DDP: :mod:`nbtrain.run.offload_ddp`. Under FSDP2 (``dp_shard``, and
+its hybrid ``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:
+FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its reduce-scatter (and, hybrid, all-reduce) has
+produced the averaged gradient shard, so each rank hands over and updates its own shard, as it would in ZeRO-Offload.
 
 Threads. A kernel runs on the thread that calls it, with that thread's OpenMP thread count, and a new thread
 starts from the process-wide count. The worker sets its own count to ``threads`` (1) before any op, so it never
@@ -33,8 +36,10 @@ has finished, so with clipping on each overlapped update is *speculative*. Befor
 update overwrites (master, moments, step: 12 bytes per offloaded parameter more CPU memory, allocated on first use,
 and a copy of 24 bytes per parameter per step, under half of AdamW's own ~28 bytes of traffic). It also sums the
 squared gradient norms it has seen: once that partial sum exceeds the limit the step is known to clip, and the
-remaining layers wait for ``step()`` (ZeRO-Offload's schedule) rather than being undone later. ``step()`` computes
-the norm as ``torch.nn.utils.clip_grad_norm_`` does (a norm per tensor, then the norm of those) and, when it exceeds
+remaining layers wait for ``step()`` (ZeRO-Offload's schedule) rather than being undone later (under FSDP2 the sum
+is of this rank's shards, a lower bound of the whole: ranks may decide differently, which changes when an update
+runs, not its result). ``step()`` computes the norm as ``torch.nn.utils.clip_grad_norm_`` does (a norm per tensor,
+then the norm of those; shards' squares summed over their ranks) and, when it exceeds
 the limit, undoes each speculative update from its saved copy and redoes it with the gradients scaled by
 ``clip_norm / (norm + 1e-6)``. ``clipped_steps`` counts the clipped steps, ``rollbacks`` those in which an update
 had been speculated (undone, or dropped if it had not started yet). A step that clips costs up to one more CPU
@@ -54,15 +59,24 @@ from contextlib import contextmanager
 from time import perf_counter
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.errors import InvalidArgumentError
 from nbtrain.run.offload_ddp import attach_ddp
-from nbtrain.run.offload_split import cut_layer
+from nbtrain.run.offload_split import cut_layer, local
 from nbtrain.run.offload_state import Layer, Piece, adamw_step, backward_events, load_state, save_state
 
 SCHEDULES = ("overlap", "after_backward")
+
+
+def _shard_groups(param: torch.Tensor) -> tuple:
+    """The process groups over which a parameter is sharded (its DTensor mesh dimensions placed ``Shard``): a sum
+    of squares of its local shards over them is the sum over the whole parameter."""
+    if not isinstance(param, DTensor):
+        return ()
+    return tuple(param.device_mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard())
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -86,10 +100,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             raise InvalidArgumentError(f"offload fractions are between 0 and 1; got {fractions}")
         if clip_norm is not None and not clip_norm > 0:
             raise InvalidArgumentError(f"clip_norm must be positive or None; got {clip_norm}")
-        if any(isinstance(p, DTensor) for params in layers for p in params):
-            raise InvalidPlanError("offload runs on plain and data-parallel (DDP) parameters; this model has DTensor "
-                                   "parameters (FSDP2 dp_shard or tensor parallel), which it does not support yet: "
-                                   "use dp_replicate for the offloaded layers, or offload=0")
         seen, groups = set(), []
         for params, f in zip(layers, fractions):
             mine = [p for p in params if p.requires_grad and id(p) not in seen]
@@ -108,6 +118,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._pieces_of[pc.index].append(pc)
             self._layer_of += [li] * len(g["params"])
             self._layers.append(Layer(li, pieces))
+        self._norm_groups = [_shard_groups(p) for p in self._params]
         self._cpu_pieces_of = {i: [pc for pc in pcs if pc.on_cpu] for i, pcs in enumerate(self._pieces_of)
                                if any(pc.on_cpu for pc in pcs)}
         self._lock, self._executor, self._closed, self._sync, self._ddp = threading.Lock(), None, False, True, False
@@ -277,10 +288,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self.clip_norm is not None:
             for pc, g in zip(device, device_grads):
                 pc.norm = torch.linalg.vector_norm(g)
-            norms = [pc.norm for pcs in self._pieces_of for pc in pcs
-                     if (pc.on_cpu and pc.index in self._layers[self._layer_of[pc.index]].arrived)
-                     or (not pc.on_cpu and pc.param.grad is not None)]
-            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+            total = self._total_norm()
             self.last_grad_norm = float(total)
             coef = self.clip_norm / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
             if float(coef) < 1.0:
@@ -325,6 +333,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     pc.copy_back()
                 self._events.append(("device", f"weights {layer.index}", copied - self._t0,
                                      perf_counter() - self._t0))
+
+    def _total_norm(self) -> torch.Tensor:
+        """The norm of every gradient of the step, as ``clip_grad_norm_`` computes it over the whole model: the
+        squared norms of this rank's pieces, summed per set of process groups that shard them (FSDP2's dp_shard),
+        each sum all-reduced over those groups (in the same order on every rank: one per kind of parameter)."""
+        sums: dict[tuple, torch.Tensor] = {}
+        for i, pieces in enumerate(self._pieces_of):
+            layer = self._layers[self._layer_of[i]]
+            norms = [pc.norm for pc in pieces if (pc.on_cpu and pc.index in layer.arrived)
+                     or (not pc.on_cpu and pc.param.grad is not None)]
+            square = torch.stack(norms).float().square().sum() if norms else torch.zeros(())
+            key = self._norm_groups[i]
+            sums[key] = sums.get(key, 0) + square.to(local(self._params[i]).device)
+        total = torch.zeros(())
+        for groups, square in sums.items():
+            for group in groups:  # a sum over each sharding dimension in turn is the sum over all of them
+                dist.all_reduce(square, group=group)
+            total = total + square.cpu()
+        return total.sqrt()
 
     def _end_step(self) -> None:
         """Wait for whatever is still queued (after a failure too: nothing may run on into the next step), record

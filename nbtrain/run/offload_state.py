@@ -3,7 +3,8 @@
 A checkpoint of :class:`~nbtrain.run.offload.OffloadedAdamW` holds whole tensors per parameter, whatever the split.
 Its layout is ``torch.optim.AdamW``'s (``state[i]`` with ``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups``
 with ``params`` as indices) plus ``master``, the fp32 weights, so a state saved under one offload split loads under
-another, and a plain AdamW state dict over the same parameters loads too.
+another, and a plain AdamW state dict over the same parameters loads too. Under FSDP2 (DTensor parameters) each
+rank's state dict holds its own shards, shaped like its local tensors.
 """
 
 from __future__ import annotations
@@ -12,20 +13,22 @@ import torch
 from torch.optim.adamw import adamw
 
 from nbtrain.errors import InvalidArgumentError
+from nbtrain.run.offload_split import local
 
 
 class Piece:
     """One cut of a parameter with its AdamW state. ``tensor`` is what AdamW updates: on the CPU the fp32 master;
-    on the device the parameter itself or a view of it, or an fp32 master when the parameter is in lower precision."""
+    on the device the parameter itself or a view of it, or an fp32 master when the parameter is in lower precision.
+    Of a DTensor parameter (FSDP2), all of this is of the local shard."""
 
     def __init__(self, cut, index: int):
-        p = cut.param
+        p, shard = cut.param, local(cut.param)
         self.param, self.index, self.start, self.stop, self.on_cpu, self.whole = \
             p, index, cut.start, cut.stop, cut.on_cpu, cut.whole
-        if not self.whole and not p.is_contiguous():
-            raise InvalidArgumentError(f"a parameter of shape {tuple(p.shape)} to be cut between the CPU and the "
+        if not self.whole and not shard.is_contiguous():
+            raise InvalidArgumentError(f"a parameter of shape {tuple(shard.shape)} to be cut between the CPU and the "
                                        "device is not contiguous; make it contiguous or offload whole layers")
-        source = self.view(p.detach())
+        source = self.view(shard.detach())
         # host_grad: the pinned buffer a device's gradient is copied into; grad: what the CPU update reads
         self.host_grad = self.grad = None
         self.separate = self.on_cpu or p.dtype != torch.float32
@@ -42,7 +45,8 @@ class Piece:
         self.norm = self.norm_host = self.saved = None
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
-        """This piece of ``t``, a tensor shaped like the parameter (its gradient, its data)."""
+        """This piece of ``t``, a tensor shaped like the parameter (its gradient, its data; a DTensor's local shard)."""
+        t = local(t)
         return t if self.whole else t.reshape(-1)[self.start:self.stop]
 
     def state(self) -> list[torch.Tensor]:
@@ -91,9 +95,10 @@ HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 
 
 def _whole(pieces, name: str, param: torch.Tensor) -> torch.Tensor:
-    """One parameter's state tensor ``name``, its pieces joined, shaped like the parameter, on the CPU."""
+    """One parameter's state tensor ``name``, its pieces joined, shaped like the parameter (its local shard), on
+    the CPU."""
     flat = [getattr(pc, name).detach().reshape(-1).to("cpu", torch.float32) for pc in pieces]
-    return torch.cat(flat).view(param.shape).clone()
+    return torch.cat(flat).view(local(param).shape).clone() if flat else torch.zeros(local(param).shape)
 
 
 def save_state(opt) -> dict:
@@ -101,7 +106,7 @@ def save_state(opt) -> dict:
         raise InvalidArgumentError("state_dict() during a step: call it between step() and the next backward")
     state = {}
     for i, (p, pieces) in enumerate(zip(opt._params, opt._pieces_of)):
-        state[i] = {"step": pieces[0].step.detach().to("cpu").clone(),
+        state[i] = {"step": pieces[0].step.detach().to("cpu").clone() if pieces else torch.zeros(()),
                     "exp_avg": _whole(pieces, "exp_avg", p), "exp_avg_sq": _whole(pieces, "exp_avg_sq", p),
                     "master": _whole(pieces, "tensor", p)}
     groups, start = [], 0
@@ -119,6 +124,7 @@ def load_state(opt, state_dict: dict) -> None:
     if len(saved) != len(opt._params):
         raise InvalidArgumentError(f"the state dict holds {len(saved)} parameters, this optimizer {len(opt._params)}")
     for i, p, pieces in zip(saved, opt._params, opt._pieces_of):
+        p = local(p)  # of a DTensor (FSDP2), a state dict holds this rank's shards
         entry = state_dict["state"].get(i, {})
         for name in ("exp_avg", "exp_avg_sq", "master"):
             if name in entry and tuple(entry[name].shape) != tuple(p.shape):

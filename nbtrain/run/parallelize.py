@@ -164,12 +164,11 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
         raise InvalidPlanError(f"the plan has {plan.num_layers} layers but the model has {len(layers)} "
                                "(embeddings, blocks, head)")
     offloaded = [i for i, s in enumerate(plan.layers) if s.offload > 0]
-    if offloaded and not (plan.num_devices == 1 or is_plain_data_parallel(plan)):
+    if offloaded and not (plan.pp == 1 and all(s.tp == 1 for s in plan.layers)):
         raise InvalidPlanError(f"layer {offloaded[0]} asks for offload={plan.layers[offloaded[0]].offload:g}; the "
-                               "executor runs the CPU update offload with one process or plain data parallel "
-                               "(dp_replicate on every layer, no pipeline) for now, not with sharding, tensor or "
-                               "pipeline parallelism; plan with SearchOptions(offload_levels=(0.0,)) or remove "
-                               "'offload=' from the plan")
+                               "executor runs the CPU update offload with data parallelism (dp_replicate, dp_shard) "
+                               "in one pipeline stage, not yet with tensor or pipeline parallelism; plan with "
+                               "SearchOptions(offload_levels=(0.0,)) or remove 'offload=' from the plan")
     reason = detect_family(model).no_tensor_parallel
     split = [i for i, s in enumerate(plan.layers) if s.tp > 1]
     if split and reason:

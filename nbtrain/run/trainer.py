@@ -165,10 +165,10 @@ class Trainer:
         """Reduce gradients over data-parallel ranks only after the last micro-batch of a step."""
         if isinstance(self.model, DistributedDataParallel):
             return nullcontext() if enabled else self.model.no_sync()
-        if self.offloaded:  # one process: the optimizer's own hooks hand gradients over after the last one
-            return nullcontext() if enabled else self.optimizer.no_sync()
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (its reduce-scatter hands an offload over)
             self.model.set_requires_gradient_sync(enabled)
+        if self.offloaded:  # the optimizer's own hooks hand gradients over after the last micro-batch only
+            return nullcontext() if enabled else self.optimizer.no_sync()
         return nullcontext()
 
     def _accumulate(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
