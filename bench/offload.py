@@ -1,4 +1,5 @@
-"""CPU update offload on one machine: no offload, ZeRO-Offload's schedule, and nbtrain's overlap with and without split.
+"""CPU update offload on one machine: no offload, ZeRO-Offload's schedule, FSDP2's CPUOffloadPolicy, and nbtrain's
+overlap with and without split.
 
     python bench/offload.py          # ~2-4 min on 2 cores; the table on stdout
 
@@ -7,30 +8,35 @@ the update) is the main thread on one core, the CPU update is OffloadedAdamW's w
 intra-op thread each. One GPT (fp32, untied head, fused AdamW everywhere), three tokens-per-step settings chosen so
 that the CPU update of the whole model takes about 0.5x, 1x and 2x the backward (measured and printed: ``upd/bwd``).
 
-Schedules, all ``nbtrain.run.offload.OffloadedAdamW``:
+Schedules, all but FSDP2's ``nbtrain.run.offload.OffloadedAdamW``:
 
 - ``no offload``: offload 0, the whole update on the device after backward (plain fused AdamW);
-- ``ZeRO-Offload``: offload 1, ``schedule="after_backward"``: the CPU update starts once backward has finished;
+- ``ZeRO-Offload``: offload 1, ``schedule="after_backward"``, ``land_at="step"``: the CPU update starts once
+  backward has finished, and the next step starts once it is done;
+- ``FSDP2-CPU``: ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` per layer, in a process group of one, with
+  ``torch.optim.AdamW(fused=True)`` over its CPU-resident sharded parameters, stepped after backward: FSDP2's own
+  ZeRO-Offload (on a CPU-only machine its copies between "device" and host are host copies, and the gather of a
+  world of one a copy too: what FSDP2 adds to the schedule is measured, not a PCIe transfer);
 - ``overlap``: offload 1, ``schedule="overlap"`` (CoTrain, coarse grain): each layer's update starts when
-  backward has produced its gradients;
+  backward has produced its gradients and lands when the next forward reaches the layer;
 - ``overlap+split``: CoTrain's fine grain: the first layers' updates stay on the device. The split comes from
-  ``balanced_offload``: with each layer's backward time and CPU update time measured from the ``overlap`` run's
-  trace (and the device's update rate taken equal to the CPU's, as both are one core here), it simulates the step
-  for each candidate (layers 0..k-1 on the device, layer k cut by a fraction in tenths, the rest on the CPU) and
-  keeps the one whose later side (device: backward then its share of the update; CPU: the queue of layer updates
-  in gradient order) ends first, so neither side waits for the other longer than a tenth of a layer.
+  ``balanced_offload``: with each layer's forward, backward and CPU update time measured from the ``overlap``
+  run's trace (and the device's update rate taken equal to the CPU's, as both are one core here), it simulates
+  steady-state steps for each candidate (layers 0..k-1 on the device, layer k cut by a fraction in tenths, the
+  rest on the CPU) and keeps the one with the shortest step, so neither side waits for the other longer than a
+  tenth of a layer.
 
 ``floor`` is max(forward + backward, CPU update of the whole model) (REFERENCE.md, physical limits; no PCIe
 here), from the ``no offload`` run's forward and backward and the ``ZeRO-Offload`` run's CPU update, each alone.
 ``zero/ovl`` is ZeRO-Offload's step over the best overlapped one; ``best/floor`` the best overlapped step over the
 floor. Step times are medians over ``STEPS`` steps after ``WARMUP``; each schedule runs ``ROUNDS`` times,
 interleaved, and keeps its fastest round (the machine may be shared: ``busy`` is the number of cores other
-processes kept busy meanwhile, from /proc/stat). FSDP2's ``CPUOffloadPolicy`` is not measured: on a CPU-only
-machine it has no device to offload from.
+processes kept busy meanwhile, from /proc/stat).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -38,11 +44,14 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: no spinning threads
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
 
 from nbtrain.models import GPT, GPTConfig  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.run.offload import OffloadedAdamW  # noqa: E402
 from nbtrain.run.offload_split import balanced_offload  # noqa: E402
+from nbtrain.run.parallelize import layer_modules, slot_module  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False)
 RATIOS = (0.5, 1.0, 2.0)
@@ -66,10 +75,27 @@ def shape(tokens: int) -> tuple[int, int]:
     return max(1, round(tokens / SEQ)), SEQ
 
 
-def run(model, ids, offload, schedule, steps):
-    """Median step time and the medians of forward, backward (s), and the last step's trace."""
+def fsdp2_cpu_offload(model):
+    """The model under FSDP2 with CPUOffloadPolicy (each layer a group, one root) and fused AdamW over it."""
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for slots in layer_modules(model):
+        fully_shard([slot_module(parent, attr) for parent, attr in slots], offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+@contextlib.contextmanager
+def plain_optimizer(opt):
+    yield opt
+
+
+def run(model, ids, offload, schedule, steps, land_at="forward"):
+    """Median step time and the medians of forward, backward (s), and the last step's trace. ``offload`` None:
+    ``model`` is under FSDP2's CPUOffloadPolicy, with its own optimizer ``schedule``."""
     total, forward, backward = [], [], []
-    with OffloadedAdamW.from_model(model, offload, lr=1e-4, schedule=schedule) as opt:
+    opt = plain_optimizer(schedule) if offload is None else OffloadedAdamW.from_model(
+        model, offload, lr=1e-4, schedule=schedule, land_at=land_at)
+    with opt as opt:
         for _ in range(WARMUP + steps):
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -80,7 +106,7 @@ def run(model, ids, offload, schedule, steps):
             opt.step()
             t3 = time.perf_counter()
             total.append(t3 - t0), forward.append(t1 - t0), backward.append(t2 - t1)
-        trace = opt.last_trace
+        trace = getattr(opt, "last_trace", None)
     med = [statistics.median(x[WARMUP:]) for x in (total, forward, backward)]
     return med[0], med[1], med[2], trace
 
@@ -95,22 +121,30 @@ def per_layer(trace, kind: str, n: int) -> list[float]:
     return out
 
 
+SCHEDULES = {"no offload": (0.0, "overlap", "step"), "ZeRO-Offload": (1.0, "after_backward", "step"),
+             "FSDP2-CPU": (None, None, None), "overlap": (1.0, "overlap", "forward"),
+             "overlap+split": ("split", "overlap", "forward")}
+
+
 def main():
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # FSDP2 needs one
     torch.manual_seed(0)
     model = GPT(CONFIG)
+    sharded = GPT(CONFIG)
+    fsdp_opt = fsdp2_cpu_offload(sharded)
     n_params = sum(p.numel() for p in model.parameters())
     n_layers = CONFIG.n_layer + 2
     # CPU update of the whole model alone, and backward at a first guess of the tokens, to aim each ratio
-    _, _, _, trace = run(model, torch.randint(0, CONFIG.vocab_size, (1, SEQ)), 1.0, "after_backward", 3)
+    _, _, _, trace = run(model, torch.randint(0, CONFIG.vocab_size, (1, SEQ)), 1.0, "after_backward", 3, "step")
     update_s = sum(per_layer(trace, "update", n_layers))
     print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd}, vocab {CONFIG.vocab_size}: {n_params / 1e6:.1f}M "
           f"parameters; CPU AdamW (fused, 1 thread): {update_s * 1e3:.0f} ms = {n_params / update_s / 1e9:.2f} "
           f"G params/s; threads: main 1, worker 1; {os.cpu_count()} cores\n")
     header = (f"{'tokens':>6} {'upd/bwd':>7} {'fwd+bwd':>8} {'update':>7} {'floor':>7} {'no offload':>10} "
-              f"{'ZeRO-Off':>9} {'overlap':>8} {'ovl+split':>9} {'zero/ovl':>8} {'best/floor':>10} {'busy':>5}  split")
+              f"{'ZeRO-Off':>9} {'FSDP2-CPU':>9} {'overlap':>8} {'ovl+split':>9} {'zero/ovl':>8} {'fsdp/ovl':>8} "
+              f"{'best/floor':>10} {'busy':>5}  split")
     print(header)
-    rows = []
     for ratio in RATIOS:
         tokens = SEQ
         for _ in range(2):  # aim, measure backward, aim again: backward is not quite linear in the tokens
@@ -125,16 +159,18 @@ def main():
         busy0 = busy_cores()
         start = time.perf_counter()
         for r in range(ROUNDS):
-            order = ["no offload", "ZeRO-Offload", "overlap", "overlap+split"]  # split needs overlap's trace
-            for name in order if r % 2 == 0 else ["overlap", "ZeRO-Offload", "no offload", "overlap+split"]:
-                offload, schedule = {"no offload": (0.0, "overlap"), "ZeRO-Offload": (1.0, "after_backward"),
-                                     "overlap": (1.0, "overlap"), "overlap+split": (split, "overlap")}[name]
+            order = list(SCHEDULES)  # the split needs the overlap run's trace: it runs last
+            for name in order if r % 2 == 0 else order[-2::-1] + order[-1:]:
+                offload, schedule, land_at = SCHEDULES[name]
                 if name == "overlap+split" and split is None:
                     trace = best["overlap"][3]
                     cpu = per_layer(trace, "update", n_layers)
-                    split = balanced_offload(per_layer(trace, "backward", n_layers), cpu, cpu)
-                    offload = split
-                result = run(model, ids, offload, schedule, STEPS)
+                    split = balanced_offload(per_layer(trace, "backward", n_layers), cpu, cpu,
+                                             forward_s=per_layer(trace, "forward", n_layers))
+                if name == "FSDP2-CPU":
+                    result = run(sharded, ids, None, fsdp_opt, STEPS)
+                else:
+                    result = run(model, ids, split if offload == "split" else offload, schedule, STEPS, land_at)
                 if name not in best or result[0] < best[name][0]:
                     best[name] = result
         busy1 = busy_cores()
@@ -143,16 +179,17 @@ def main():
         fwd, bwd = best["no offload"][1], best["no offload"][2]
         update = sum(per_layer(best["ZeRO-Offload"][3], "update", n_layers))
         floor = max(fwd + bwd, update)
-        ovl = min(best["overlap"][0], best["overlap+split"][0])
         t = {k: v[0] for k, v in best.items()}
-        rows.append(f"{b * s:>6} {update / bwd:>7.2f} {(fwd + bwd) * 1e3:>6.0f}ms {update * 1e3:>5.0f}ms "
-                    f"{floor * 1e3:>5.0f}ms {t['no offload'] * 1e3:>8.0f}ms {t['ZeRO-Offload'] * 1e3:>7.0f}ms "
-                    f"{t['overlap'] * 1e3:>6.0f}ms {t['overlap+split'] * 1e3:>7.0f}ms {t['ZeRO-Offload'] / ovl:>8.2f} "
-                    f"{ovl / floor:>10.2f} {other:>5.1f}  {','.join(f'{f:g}' for f in split)}")
-        print(rows[-1], flush=True)
-    print("\nupd/bwd: CPU update of the whole model / backward; floor: max(fwd+bwd, update); zero/ovl: ZeRO-Offload "
-          "schedule / best overlapped; busy: cores other processes used meanwhile; split: offload per layer "
-          "(embeddings, blocks, head) of overlap+split")
+        ovl = min(t["overlap"], t["overlap+split"])
+        print(f"{b * s:>6} {update / bwd:>7.2f} {(fwd + bwd) * 1e3:>6.0f}ms {update * 1e3:>5.0f}ms "
+              f"{floor * 1e3:>5.0f}ms {t['no offload'] * 1e3:>8.0f}ms {t['ZeRO-Offload'] * 1e3:>7.0f}ms "
+              f"{t['FSDP2-CPU'] * 1e3:>7.0f}ms {t['overlap'] * 1e3:>6.0f}ms {t['overlap+split'] * 1e3:>7.0f}ms "
+              f"{t['ZeRO-Offload'] / ovl:>8.2f} {t['FSDP2-CPU'] / ovl:>8.2f} {ovl / floor:>10.2f} {other:>5.1f}  "
+              f"{','.join(f'{f:g}' for f in split)}", flush=True)
+    print("\nupd/bwd: CPU update of the whole model / backward; floor: max(fwd+bwd, update); zero/ovl, fsdp/ovl: "
+          "ZeRO-Offload schedule, FSDP2 CPUOffloadPolicy / best overlapped; busy: cores other processes used "
+          "meanwhile; split: offload per layer (embeddings, blocks, head) of overlap+split")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

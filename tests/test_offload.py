@@ -20,7 +20,7 @@ from nbtrain.models import GPT, GPTConfig
 from nbtrain.notebook.plots import timeline_plot
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.offload import OffloadedAdamW
-from nbtrain.run.offload_split import balanced_offload, cut_layer
+from nbtrain.run.offload_split import balanced_offload, cut_layer, step_period
 from tests.distributed_fixtures import BATCH, GPT_TINY, batches, spawn_group
 
 STEPS = 6
@@ -215,7 +215,7 @@ def test_a_second_backward_before_step_without_no_sync_is_an_error():
     torch.manual_seed(0)
     model = GPT(GPT_TINY)
     ids, targets = next(batches(1))
-    with OffloadedAdamW.from_model(model, 1.0) as opt:
+    with OffloadedAdamW.from_model(model, 1.0):
         lm_loss(model(ids), targets).backward()
         with pytest.raises(InvalidArgumentError, match="no_sync"):
             lm_loss(model(ids), targets).backward()
@@ -273,6 +273,37 @@ def test_cpu_update_of_the_last_layer_starts_before_backward_of_the_first_ends()
     assert all(start <= end for start, end in trace.values())
 
 
+def test_step_returns_before_the_cpu_updates_and_the_next_forward_waits_for_each_layer():
+    """CoTrain's data-reuse distance: the CPU's update of a layer may run on until the next forward needs it."""
+    ids, targets = next(batches(1))
+    torch.manual_seed(0)
+    expected = GPT(GPT_TINY)
+    with OffloadedAdamW.from_model(expected, SPLIT, land_at="step") as opt:
+        lm_loss(expected(ids), targets).backward()
+        opt.step()
+    torch.manual_seed(0)
+    model = GPT(GPT_TINY)
+    old_head = model.head.lm_head.weight.detach().clone()
+    release = threading.Event()
+    with OffloadedAdamW.from_model(model, SPLIT) as opt:
+        original = opt._cpu_update
+
+        def held(*args):  # the worker holds each update until the test lets it go
+            release.wait(timeout=60)
+            return original(*args)
+
+        opt._cpu_update = held
+        lm_loss(model(ids), targets).backward()
+        opt.step()
+        # step() returned with the CPU's updates still held, so the head still has its old weights
+        assert torch.equal(model.head.lm_head.weight, old_head)
+        assert torch.equal(model.blocks[0].attn.q.weight, expected.blocks[0].attn.q.weight)  # the device's share
+        release.set()
+        logits = model(ids)  # each offloaded layer waits for its update before its forward
+        assert torch.equal(model.head.lm_head.weight, expected.head.lm_head.weight)
+        assert torch.equal(logits, expected(ids))
+
+
 def test_worker_thread_runs_one_intra_op_thread_even_when_the_caller_runs_more():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -297,10 +328,11 @@ def test_worker_thread_runs_one_intra_op_thread_even_when_the_caller_runs_more()
         torch.set_num_threads(before)
 
 
-def test_worker_exception_surfaces_in_step_and_close_leaves_no_thread():
+@pytest.mark.parametrize("land_at", ["step", "forward"])
+def test_worker_exception_surfaces_where_the_update_lands_and_close_leaves_no_thread(land_at):
     torch.manual_seed(0)
     model = GPT(GPT_TINY)
-    opt = OffloadedAdamW.from_model(model, SPLIT)
+    opt = OffloadedAdamW.from_model(model, SPLIT, land_at=land_at)
 
     def exploding_update(layer, kind, scale):
         raise RuntimeError(f"no memory left for layer {layer.index}")
@@ -310,9 +342,10 @@ def test_worker_exception_surfaces_in_step_and_close_leaves_no_thread():
     lm_loss(model(ids), targets).backward()
     with pytest.raises(RuntimeError, match="no memory left for layer") as info:
         opt.step()
+        model(ids)  # "forward": the first offloaded layer waits for its update here
     assert "exploding_update" in "".join(traceback.format_exception(info.value))  # the worker's frame
     assert offload_threads()
-    opt.close()
+    opt.close()  # the step's other updates were waited for with the first failure: nothing more to raise
     assert offload_threads() == []
     with pytest.raises(InvalidArgumentError, match="closed"):
         opt.step()
@@ -324,6 +357,22 @@ def test_split_rule_keeps_the_layers_whose_gradients_come_last_on_the_device():
     assert balanced_offload(backward, cpu, device_update_s=[0.0] * 6) == [0.0] + [1.0] * 5
     assert balanced_offload(backward, cpu, device_update_s=[1.0] * 6) == [0.5] + [1.0] * 5
     assert balanced_offload(backward, [3.0] * 6, device_update_s=[0.1] * 6)[:3] == [0.0, 0.0, 0.0]
+
+
+def test_step_period_when_updates_land_at_the_next_forward():
+    forward, backward = [1.0] * 3, [1.0] * 3
+    # no offload: forward, backward and the device's updates, one after the other
+    assert step_period(forward, backward, [10.0] * 3, [2.0] * 3, [0.0] * 3) == pytest.approx(3 + 3 + 6)
+    # all offloaded, the CPU far slower: its 30 s queue plus what it cannot overlap, the next forward up to layer 0's
+    # update (all of it: layer 0 lands last) and the backward of the last layer, which its first update waits for
+    assert step_period(forward, backward, [10.0] * 3, [2.0] * 3, [1.0] * 3) == pytest.approx(30 + 3 + 1)
+    # the CPU fast: only layer 0's update is waited for, as its gradient comes last and the next forward needs it first
+    assert step_period(forward, backward, [0.1] * 3, [2.0] * 3, [1.0] * 3) == pytest.approx(3 + 3 + 0.1)
+    # layer 0 kept on the device: the next forward runs it while the CPU finishes layer 1
+    split = balanced_offload(backward, [1.5] * 3, [1.5] * 3, forward_s=forward)
+    assert split[0] < 1.0 and split[2] == 1.0
+    assert step_period(forward, backward, [1.5] * 3, [1.5] * 3, split) < step_period(
+        forward, backward, [1.5] * 3, [1.5] * 3, [1.0] * 3)
 
 
 # -- two processes: DistributedDataParallel, each rank half the batch ------------------------------------------------

@@ -147,9 +147,9 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
             bar.set_postfix(loss=f"{record.loss:.4f}")
     if bar is not None:
         bar.close()
-    trace = getattr(optimizer, "last_trace", None)
     if hasattr(optimizer, "close"):
-        optimizer.close()
+        optimizer.close()  # lands the last step's CPU updates, which completes its trace
+    trace = getattr(optimizer, "last_trace", None)
     if run.save_dir is not None:
         save_trained(model, mine, run.save_dir)
         return (records, None, trace) if rank0 else None

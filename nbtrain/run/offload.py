@@ -3,7 +3,7 @@
     >>> opt = OffloadedAdamW.from_model(model, offload=plan, lr=3e-4, clip_norm=1.0)  # or offload=1.0, [0, 1, 1, 1]
     >>> for ids, targets in batches:
     ...     lm_loss(model(ids), targets).backward()   # each layer's CPU update starts once its gradients are in
-    ...     opt.step()                                # the device's share, wait for the CPU, weights copied back
+    ...     opt.step()                                # the device's share; the CPU's lands as forward reaches it
     ...     opt.zero_grad()
     >>> timeline_plot(opt.last_trace)                 # device row: backward of each layer; cpu row: the updates
 
@@ -18,10 +18,17 @@ Schedules. ``"overlap"`` (CoTrain): a post-accumulate-grad hook hands each param
 produces it; when all of a layer's offloaded gradients are in, its update is queued to ONE worker thread, which
 runs ``torch.optim.adamw.adamw(..., fused=True)`` (what ``AdamW(fused=True).step()`` runs) while backward goes on,
 then writes the new weights into host-memory parameters (backward is done with a weight once its gradient is final;
-a GPU's copies back wait for ``step()``). ``"after_backward"`` (ZeRO-Offload): the same hand-over, every update
-queued in ``step()``. In both, ``step()`` updates the device's share on the calling thread and waits for the worker
-(then copies a GPU's weights back): when it returns, the model holds exactly the new weights. Offload 0 everywhere
-is plain fused AdamW. Data parallel under DDP: :mod:`nbtrain.run.offload_ddp`. Under FSDP2 (``dp_shard``, and
+a GPU's copies back wait for the landing). ``"after_backward"`` (ZeRO-Offload): the same hand-over, every update
+queued in ``step()``. In both, ``step()`` updates the device's share on the calling thread.
+
+Landing (``land_before``, what ``from_model`` passes by default). The next forward needs the layers' weights in
+order, first layer first, while the CPU updates them in gradient order, last layer first: so ``step()`` returns
+without waiting for the CPU, and a forward pre-hook on each layer's modules waits for that layer's update (and
+copies a GPU's weights back) just before its forward. The CPU's queue runs on under the next forward's first
+layers, which is why the split keeps those on the device (CoTrain's data-reuse distance). ``model.state_dict()``,
+``state_dict()``, ``close()`` and :meth:`synchronize` wait for every update; read parameters directly only after
+one of them. Without ``land_before``, ``step()`` waits for the worker: when it returns, the model holds exactly the
+new weights. A worker's exception is raised where its update lands. Offload 0 everywhere is plain fused AdamW. Data parallel under DDP: :mod:`nbtrain.run.offload_ddp`. Under FSDP2 (``dp_shard``, and
 its hybrid ``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:
 FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its reduce-scatter (and, hybrid, all-reduce) has
 produced the averaged gradient shard, so each rank hands over and updates its own shard, as it would in ZeRO-Offload.
@@ -59,24 +66,15 @@ from contextlib import contextmanager
 from time import perf_counter
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.run.offload_ddp import attach_ddp
 from nbtrain.run.offload_split import cut_layer, local
-from nbtrain.run.offload_state import Layer, Piece, adamw_step, backward_events, load_state, save_state
+from nbtrain.run.offload_state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
+                                       load_state, save_state, shard_groups)
 
 SCHEDULES = ("overlap", "after_backward")
-
-
-def _shard_groups(param: torch.Tensor) -> tuple:
-    """The process groups over which a parameter is sharded (its DTensor mesh dimensions placed ``Shard``): a sum
-    of squares of its local shards over them is the sum over the whole parameter."""
-    if not isinstance(param, DTensor):
-        return ()
-    return tuple(param.device_mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard())
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -84,12 +82,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     ``layers``: each layer's parameters, layers in forward order (a parameter listed twice, tied, belongs to its
     first layer). ``offload``: one fraction for every layer, or one per layer (a plan's ``Strategy.offload``).
+    ``land_before``: each layer's modules, whose forward waits for the layer's CPU update (None: ``step()`` waits).
     ``threads``: the worker's intra-op threads. Micro-batches: all but a step's last under :meth:`no_sync`.
     """
 
     def __init__(self, layers, offload=1.0, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, clip_norm: float | None = None, schedule: str = "overlap",
-                 threads: int = 1):
+                 threads: int = 1, land_before: list[list[nn.Module]] | None = None):
         layers = [list(params) for params in layers]
         fractions = [float(offload)] * len(layers) if isinstance(offload, (int, float)) else list(offload)
         if schedule not in SCHEDULES:
@@ -118,16 +117,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._pieces_of[pc.index].append(pc)
             self._layer_of += [li] * len(g["params"])
             self._layers.append(Layer(li, pieces))
-        self._norm_groups = [_shard_groups(p) for p in self._params]
+        self._norm_groups = [shard_groups(p) for p in self._params]
         self._cpu_pieces_of = {i: [pc for pc in pcs if pc.on_cpu] for i, pcs in enumerate(self._pieces_of)
                                if any(pc.on_cpu for pc in pcs)}
         self._lock, self._executor, self._closed, self._sync, self._ddp = threading.Lock(), None, False, True, False
         self._handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._param_hook(i, p))
                          for i, p in enumerate(self._params)]
-        self._events, self._t0, self._spec_sq = [], perf_counter(), 0.0
+        self._log, self._landing, self._pending = StepLog(), None, []
+        if land_before is not None:  # each layer's modules: its CPU update lands when the next forward reaches it
+            if len(land_before) != len(layers):
+                raise InvalidArgumentError(f"land_before has {len(land_before)} entries for {len(layers)} layers")
+            self._handles += [module.register_forward_pre_hook(lambda *_, layer=layer: self._pre_forward(layer),
+                                                               prepend=True)  # before FSDP2 gathers the weights
+                              for layer, modules in zip(self._layers, land_before) for module in modules]
+        self.land_at = "step" if land_before is None else "forward"
         self.last_trace: list[tuple[str, str, float, float]] = []
-        """The last step's ``(row, label, start_s, end_s)`` events, seconds from its start (``zero_grad()`` or the
-        end of the previous ``step()``): ``timeline_plot(opt.last_trace)``."""
+        """The last landed step's ``(row, label, start_s, end_s)`` events, seconds from its start (``zero_grad()`` or
+        the end of the previous ``step()``): ``timeline_plot(opt.last_trace)``."""
         self.last_grad_norm: float | None = None
         """The last step's total gradient norm (before clipping), when clipping is on."""
         self.last_overlapped, self._queued = 0, []
@@ -135,10 +141,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.clipped_steps = self.rollbacks = 0
 
     @classmethod
-    def from_model(cls, model: nn.Module, offload=1.0, **kwargs) -> OffloadedAdamW:
-        """For an nbtrain GPT or a Hugging Face GPT-2 / Llama, bare or wrapped in DistributedDataParallel (then its
-        all-reduce hands over the gradients: :func:`~nbtrain.run.offload_ddp.attach_ddp`). ``offload`` may be a
-        ``Plan``: its layers' ``offload`` fractions."""
+    def from_model(cls, model: nn.Module, offload=1.0, *, land_at: str = "forward", **kwargs) -> OffloadedAdamW:
+        """For an nbtrain GPT or a Hugging Face GPT-2 / Llama, bare, under FSDP2, or wrapped in
+        DistributedDataParallel (then its all-reduce hands over the gradients:
+        :func:`~nbtrain.run.offload_ddp.attach_ddp`). ``offload`` may be a ``Plan``: its layers' ``offload``
+        fractions. ``land_at="forward"``: each layer's CPU update may run on into the next forward, which waits for
+        it at that layer (and ``model.state_dict()`` waits for all); ``"step"``: ``step()`` waits for every update."""
         from torch.nn.parallel import DistributedDataParallel
 
         from nbtrain.run.parallelize import layer_modules, slot_module
@@ -146,9 +154,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         if hasattr(offload, "layers"):
             offload = [s.offload for s in offload.layers]
-        layers = [[p for parent, attr in slots for p in slot_module(parent, attr).parameters()]
-                  for slots in layer_modules(inner)]
-        opt = cls(layers, offload, **kwargs)
+        if land_at not in ("forward", "step"):
+            raise InvalidArgumentError(f"land_at must be 'forward' or 'step'; got {land_at!r}")
+        modules = [[slot_module(parent, attr) for parent, attr in slots] for slots in layer_modules(inner)]
+        layers = [[p for module in layer for p in module.parameters()] for layer in modules]
+        opt = cls(layers, offload, land_before=modules if land_at == "forward" else None, **kwargs)
+        if land_at == "forward":  # a checkpoint taken between steps holds the new weights
+            opt._handles.append(inner.register_state_dict_pre_hook(lambda *_: opt.synchronize()))
         if isinstance(model, DistributedDataParallel):
             attach_ddp(opt, model)
         return opt
@@ -181,6 +193,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _grad_arrived(self, index: int, grad: torch.Tensor, submit: bool = True) -> None:
         """``grad`` is the parameter's final gradient of this step (averaged over data-parallel ranks): copy it to
         the host; once all of the layer's offloaded gradients are in, queue its update (``"overlap"``)."""
+        if self._layers[self._layer_of[index]] in self._pending:  # no forward reached it (hooks on other modules)
+            self._land(self._layers[self._layer_of[index]])
         for pc in self._cpu_pieces_of[index]:
             g = pc.view(grad)
             if g.is_cuda:  # the transfer, into pinned memory, asynchronous: the worker waits for layer.event
@@ -221,63 +235,39 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- the worker thread ---------------------------------------------------------------------------------------
 
     def _submit(self, layer: Layer, kind: str, scale: torch.Tensor | None = None) -> None:
+        layer.log = self._log
+        if layer.group is None:  # this step's lr: a scheduler may change it before the update has run
+            layer.group = {k: v for k, v in self.param_groups[layer.index].items() if k != "params"}
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="nbtrain-offload",
                                                 initializer=torch.set_num_threads, initargs=(self.threads,))
         layer.futures.append(self._executor.submit(self._cpu_update, layer, kind, scale))
 
     def _cpu_update(self, layer: Layer, kind: str, scale: torch.Tensor | None) -> None:
-        """On the worker, in queue order. ``kind``: ``"final"`` (the gradients are final), ``"speculative"`` (save,
-        then update, unless the step is already known to clip), ``"resolve"`` (after a speculative update: undo and
-        redo it with ``scale``, or run it if it was not)."""
-        start = perf_counter()
-        if layer.event is not None:
-            layer.event.synchronize()
-        pieces = [pc for pc in layer.cpu if pc.index in layer.arrived]
-        label = "update"
-        if kind == "speculative":
-            self._spec_sq += sum(float(pc.norm_host) ** 2 for pc in pieces)
-            if self._spec_sq > self.clip_norm ** 2:
-                layer.status = "deferred"
-                return
-            for pc in pieces:
-                pc.saved = pc.saved or [torch.empty_like(t) for t in pc.state()]
-            torch._foreach_copy_([t for pc in pieces for t in pc.saved], [t for pc in pieces for t in pc.state()])
-        elif kind == "resolve" and layer.status == "updated":
-            if scale is None:
-                return
-            torch._foreach_copy_([t for pc in pieces for t in pc.state()], [t for pc in pieces for t in pc.saved])
-            label = "redo"
-        if scale is not None and pieces:
-            torch._foreach_mul_([pc.grad for pc in pieces], scale)
-        grads = [g if g.dtype == torch.float32 else g.float() for g in (pc.grad for pc in pieces)]
-        adamw_step(pieces, grads, self.param_groups[layer.index])
-        for pc in pieces:
-            # Host memory: write the weights now. Backward is done with them (their gradients are final, and a
-            # weight's last use in backward is what completes its gradient), so this overlaps backward too.
-            if not pc.param.is_cuda:
-                pc.copy_back()
-        layer.status = "redone" if label == "redo" else "updated"
-        self._events.append(("cpu", f"{label} {layer.index}", start - self._t0, perf_counter() - self._t0))
+        cpu_update(layer, kind, scale, self.clip_norm)  # on the worker, in queue order
 
     # -- the step ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Clip (when asked), update the device's share, wait for the CPU's, copy the new weights into the model."""
+        """Clip (when asked), update the device's share; wait for the CPU's and copy its weights into the model now
+        (``land_at="step"``) or as the next forward reaches each layer (``"forward"``)."""
         if self._closed:
             raise InvalidArgumentError("this OffloadedAdamW is closed; make a new one to go on training")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        failed = True
         try:
             self._step()
+            failed = False
         finally:
-            self._end_step()
+            self._end_step(failed)
         return loss
 
     def _step(self) -> None:
+        self.synchronize()  # the last step's layers that no forward reached
         for layer in self._layers:  # gradients no hook handed over (hooks off, or no .grad hook ran)
             for i in sorted(layer.cpu_params - layer.arrived):
                 if self._params[i].grad is not None:
@@ -322,69 +312,104 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for pc in pieces:
                 pc.copy_back()
         if device:
-            self._events.append(("device", "update", started - self._t0, perf_counter() - self._t0))
-        for layer in reversed(self._layers):
-            for future in layer.futures:
-                future.result()  # a worker's exception is raised here, with its traceback
+            self._log.add("device", "update", started)
+        self._pending = [layer for layer in reversed(self._layers) if layer.futures]  # in the CPU's queue order
+        if self.land_at == "step":
+            self.synchronize()
+
+    def _total_norm(self) -> torch.Tensor:
+        """The norm of every gradient of the step, over every rank (:func:`global_norm`)."""
+        norms = [[pc.norm for pc in pieces if (pc.on_cpu and pc.index in self._layers[self._layer_of[i]].arrived)
+                  or (not pc.on_cpu and pc.param.grad is not None)] for i, pieces in enumerate(self._pieces_of)]
+        return global_norm(norms, self._norm_groups, [local(p).device for p in self._params])
+
+    def _end_step(self, failed: bool) -> None:
+        """Record the step's device events and start the next step's log; after a failure, first wait for whatever
+        is still queued (nothing may run on into the next step) and land nothing."""
+        if failed:
+            for layer in self._layers:
+                for future in layer.futures:
+                    if not future.cancel():
+                        future.exception()  # waits; an exception was raised by step() already
+            self._pending = []
+        log = self._log
+        log.events += device_events(self._layers, log.t0)
+        for layer in self._layers:
+            if layer not in self._pending:
+                self._forget(layer)
+        self.last_overlapped, self._queued = len(self._queued), []
+        self._log = StepLog()
+        if self._pending:
+            self._landing = log
+        else:
+            self.last_trace = log.trace()
+
+    def _forget(self, layer: Layer) -> None:
+        layer.reset()
+        for pc in layer.cpu:
+            pc.grad = None  # no gradient kept alive past its update
+
+    # -- landing: the CPU's new weights in the model -------------------------------------------------------------
+
+    def _pre_forward(self, layer: Layer) -> None:
+        if layer in self._pending:
+            self._land(layer)
+        layer.forward_start = perf_counter()
+
+    def _land(self, layer: Layer) -> None:
+        """Wait for the layer's CPU update (raising a worker's exception here, with its traceback) and copy the new
+        weights to the device (host-memory parameters the worker wrote itself)."""
+        self._pending.remove(layer)
+        try:
+            try:
+                for future in layer.futures:
+                    future.result()
+            except BaseException:  # the step is lost: wait for its other updates, which need not land, and say so
+                for other in self._pending:
+                    for future in other.futures:
+                        future.exception()
+                    self._forget(other)
+                self._pending = []
+                raise
             on_device = [pc for pc in layer.cpu if pc.index in layer.arrived and pc.param.is_cuda]
-            if layer.futures and on_device:  # after the worker's update; stream-ordered before the next forward
+            if on_device:  # after the worker's update; stream-ordered before the forward that follows
                 copied = perf_counter()
                 for pc in on_device:
                     pc.copy_back()
-                self._events.append(("device", f"weights {layer.index}", copied - self._t0,
-                                     perf_counter() - self._t0))
+                layer.log.add("device", f"weights {layer.index}", copied)
+        finally:
+            log = layer.log
+            self._forget(layer)
+            if not self._pending and self._landing is log:
+                self.last_trace, self._landing = log.trace(), None
 
-    def _total_norm(self) -> torch.Tensor:
-        """The norm of every gradient of the step, as ``clip_grad_norm_`` computes it over the whole model: the
-        squared norms of this rank's pieces, summed per set of process groups that shard them (FSDP2's dp_shard),
-        each sum all-reduced over those groups (in the same order on every rank: one per kind of parameter)."""
-        sums: dict[tuple, torch.Tensor] = {}
-        for i, pieces in enumerate(self._pieces_of):
-            layer = self._layers[self._layer_of[i]]
-            norms = [pc.norm for pc in pieces if (pc.on_cpu and pc.index in layer.arrived)
-                     or (not pc.on_cpu and pc.param.grad is not None)]
-            square = torch.stack(norms).float().square().sum() if norms else torch.zeros(())
-            key = self._norm_groups[i]
-            sums[key] = sums.get(key, 0) + square.to(local(self._params[i]).device)
-        total = torch.zeros(())
-        for groups, square in sums.items():
-            for group in groups:  # a sum over each sharding dimension in turn is the sum over all of them
-                dist.all_reduce(square, group=group)
-            total = total + square.cpu()
-        return total.sqrt()
-
-    def _end_step(self) -> None:
-        """Wait for whatever is still queued (after a failure too: nothing may run on into the next step), record
-        the trace, forget the step."""
-        for layer in self._layers:
-            for future in layer.futures:
-                if not future.cancel():
-                    future.exception()  # waits; an exception was raised by step() already
-        self.last_trace = sorted(backward_events(self._layers, self._t0) + self._events, key=lambda e: e[2])
-        for layer in self._layers:
-            layer.reset()
-            for pc in layer.cpu:
-                pc.grad = None  # no gradient kept alive past zero_grad()
-        self.last_overlapped, self._queued = len(self._queued), []
-        self._events, self._spec_sq, self._t0 = [], 0.0, perf_counter()
+    def synchronize(self) -> None:
+        """Land every CPU update still running: afterwards the model holds the new weights of every layer. Forward
+        (each layer) and ``model.state_dict()`` do this by themselves; call it before reading parameters otherwise."""
+        while self._pending:
+            self._land(self._pending[0])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; it also marks the start of the next step for the trace."""
         super().zero_grad(set_to_none)
-        self._t0 = perf_counter()
+        self._log.t0 = perf_counter()
 
     # -- life cycle and checkpoints -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the hooks and stop the worker thread (waits for queued work). Idempotent."""
+        """Land the last step's updates (raising a worker's exception), remove the hooks and stop the worker thread.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for handle in self._handles:
-            handle.remove()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        try:
+            self.synchronize()
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+                self._executor = None
 
     def __enter__(self) -> OffloadedAdamW:
         return self
@@ -395,10 +420,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch AdamW's layout (``state[i]``: ``step``, ``exp_avg``, ``exp_avg_sq``, whole tensors on the CPU) plus
         ``master``, the fp32 weights; ``param_groups`` one per layer. Loads back whatever the offload split."""
+        self.synchronize()
         return save_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Also takes a plain ``torch.optim.AdamW`` state dict over the same parameters (masters then come from the
         model's weights). The model's parameters are set from the masters."""
+        self.synchronize()
         load_state(self, state_dict)
 

@@ -2,7 +2,7 @@
 
     >>> cut_layer([w, b], 0.5)                  # the CPU takes the last half of the layer's elements
     [Cut(param=w, start=0, stop=..., on_cpu=False), Cut(param=w, ..., on_cpu=True), Cut(param=b, ..., on_cpu=True)]
-    >>> balanced_offload(backward_s=[...], cpu_update_s=[...], device_update_s=[...])
+    >>> balanced_offload(backward_s=[...], cpu_update_s=[...], device_update_s=[...], forward_s=[...])
     [0.0, 0.0, 0.6, 1.0, 1.0, 1.0]              # CoTrain's split: the first layers keep their update on the device
 
 Both follow one observation (CoTrain, REFERENCE.md): backward produces gradients from the last layer to the first,
@@ -82,20 +82,55 @@ def simulate_step(backward_s: list[float], cpu_update_s: list[float], device_upd
     return device, cpu
 
 
+def step_period(forward_s: list[float], backward_s: list[float], cpu_update_s: list[float],
+                device_update_s: list[float], offload: list[float], steps: int = 8) -> float:
+    """Seconds per step, in steady state, when each layer's CPU update lands just before its next forward (what
+    ``OffloadedAdamW.from_model`` does): the CPU's queue may run on under the next forward's first layers.
+
+    Per step: the forward of layer i starts once the device is free and, when i is offloaded, its previous update
+    has landed; backward runs layers L-1 … 0; the CPU updates the offloaded layers in that order as their gradients
+    arrive (as in :func:`simulate_step`); then the device updates its share. The period is read from the last
+    steps, once the start-up transient is over."""
+    n = len(backward_s)
+    landed, device, cpu, starts = [0.0] * n, 0.0, 0.0, []
+    for _ in range(steps):
+        starts.append(device)
+        for i in range(n):
+            device = max(device, landed[i]) if offload[i] > 0 else device
+            device += forward_s[i]
+        ready = [0.0] * n
+        for i in reversed(range(n)):
+            device += backward_s[i]
+            ready[i] = device
+        for i in reversed(range(n)):
+            if offload[i] > 0:
+                cpu = max(cpu, ready[i]) + offload[i] * cpu_update_s[i]
+                landed[i] = cpu
+        device += sum((1 - f) * d for f, d in zip(offload, device_update_s))
+    return (starts[-1] - starts[-3]) / 2  # two steps: a max-plus recurrence may alternate between two periods
+
+
 def balanced_offload(backward_s: list[float], cpu_update_s: list[float], device_update_s: list[float],
-                     grain: int = 10) -> list[float]:
+                     grain: int = 10, forward_s: list[float] | None = None) -> list[float]:
     """CoTrain's split: the offload fraction per layer that ends the step soonest, from measured times.
 
     Candidates keep layers ``0 … k-1`` on the device, offload layers ``k+1 …`` entirely and layer ``k`` by a
-    fraction in steps of ``1 / grain``; the one with the smallest ``max(device end, CPU end)`` of
-    :func:`simulate_step` wins, so neither side waits for the other longer than one grain of a layer. Ties go to
-    more offload (less device memory)."""
+    fraction in steps of ``1 / grain``; the one with the smallest step wins, so neither side waits for the other
+    longer than one grain of a layer. The step is ``max(device end, CPU end)`` of :func:`simulate_step` (updates
+    land at ``step()``), or with each layer's ``forward_s`` the :func:`step_period` (updates land at the next
+    forward). Ties go to more offload (less device memory)."""
     n = len(backward_s)
+
+    def time(offload):
+        if forward_s is None:
+            return max(simulate_step(backward_s, cpu_update_s, device_update_s, offload))
+        return step_period(forward_s, backward_s, cpu_update_s, device_update_s, offload)
+
     best, best_time = [1.0] * n, float("inf")
     for k in range(n):  # from the most offload to the least
         for g in reversed(range(grain + 1)):
             offload = [0.0] * k + [g / grain] + [1.0] * (n - k - 1)
-            time = max(simulate_step(backward_s, cpu_update_s, device_update_s, offload))
-            if time < best_time - 1e-12:
-                best, best_time = offload, time
+            t = time(offload)
+            if t < best_time - 1e-12:
+                best, best_time = offload, t
     return best

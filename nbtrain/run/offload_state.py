@@ -1,4 +1,5 @@
-"""The AdamW state of each piece of a parameter (:class:`Piece`) and of each layer, its update, and checkpoints.
+"""The AdamW state of each piece of a parameter (:class:`Piece`) and of each layer, its update on the CPU
+(speculative when clipping), the global gradient norm, and checkpoints.
 
 A checkpoint of :class:`~nbtrain.run.offload.OffloadedAdamW` holds whole tensors per parameter, whatever the split.
 Its layout is ``torch.optim.AdamW``'s (``state[i]`` with ``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups``
@@ -9,7 +10,11 @@ rank's state dict holds its own shards, shaped like its local tensors.
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from nbtrain.errors import InvalidArgumentError
@@ -69,12 +74,34 @@ class Layer:
 
     def reset(self) -> None:
         self.arrived: set[int] = set()  # parameters whose offloaded gradient is on the host
-        self.futures, self.status, self.event, self.first, self.ready = [], None, None, None, None
+        self.futures, self.status, self.event, self.log, self.group = [], None, None, None, None
+        self.forward_start = self.first = self.ready = None  # when its forward began, its first and last gradient
 
 
-def backward_events(layers: list[Layer], t0: float) -> list[tuple[str, str, float, float]]:
-    """Trace events of each layer's backward: from the previous layer's last gradient (or its own first) to its last."""
+class StepLog:
+    """One step's trace events (seconds from ``t0``, its start) and the clipping speculation's running sum."""
+
+    def __init__(self):
+        self.t0, self.events, self.spec_sq = perf_counter(), [], 0.0
+
+    def add(self, row: str, label: str, start: float) -> None:
+        """An event from ``start`` (a ``perf_counter()``) to now."""
+        self.events.append((row, label, start - self.t0, perf_counter() - self.t0))
+
+    def trace(self) -> list[tuple[str, str, float, float]]:
+        return sorted(self.events, key=lambda e: e[2])
+
+
+def device_events(layers: list[Layer], t0: float) -> list[tuple[str, str, float, float]]:
+    """Trace events of each layer's forward (from its forward pre-hook to the next layer's, the last one to its
+    first gradient: so it holds the loss too) and backward (from the previous layer's last gradient, or its own
+    first, to its last)."""
     events, previous = [], None
+    started = [layer for layer in layers if layer.forward_start is not None]
+    for layer, after in zip(started, started[1:] + [None]):
+        end = after.forward_start if after is not None else layer.first
+        if end is not None:
+            events.append(("device", f"forward {layer.index}", layer.forward_start - t0, end - t0))
     for layer in reversed(layers):
         if layer.ready is not None:
             start = layer.first if previous is None else previous
@@ -89,6 +116,66 @@ def adamw_step(pieces: list[Piece], grads: list[torch.Tensor], group: dict) -> N
     adamw([pc.tensor for pc in pieces], grads, [pc.exp_avg for pc in pieces], [pc.exp_avg_sq for pc in pieces], [],
           [pc.step for pc in pieces], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
           weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def cpu_update(layer: Layer, kind: str, scale: torch.Tensor | None, clip_norm: float | None) -> None:
+    """A layer's CPU update, on the worker. ``kind``: ``"final"`` (the gradients are final), ``"speculative"``
+    (save, then update, unless the step is already known to clip), ``"resolve"`` (after a speculative update: undo
+    and redo it with ``scale``, or run it if it was not)."""
+    start = perf_counter()
+    if layer.event is not None:
+        layer.event.synchronize()
+    pieces = [pc for pc in layer.cpu if pc.index in layer.arrived]
+    label = "update"
+    if kind == "speculative":
+        layer.log.spec_sq += sum(float(pc.norm_host) ** 2 for pc in pieces)
+        if layer.log.spec_sq > clip_norm ** 2:
+            layer.status = "deferred"
+            return
+        for pc in pieces:
+            pc.saved = pc.saved or [torch.empty_like(t) for t in pc.state()]
+        torch._foreach_copy_([t for pc in pieces for t in pc.saved], [t for pc in pieces for t in pc.state()])
+    elif kind == "resolve" and layer.status == "updated":
+        if scale is None:
+            return
+        torch._foreach_copy_([t for pc in pieces for t in pc.state()], [t for pc in pieces for t in pc.saved])
+        label = "redo"
+    if scale is not None and pieces:
+        torch._foreach_mul_([pc.grad for pc in pieces], scale)
+    grads = [g if g.dtype == torch.float32 else g.float() for g in (pc.grad for pc in pieces)]
+    adamw_step(pieces, grads, layer.group)
+    for pc in pieces:
+        # Host memory: write the weights now. Backward is done with them (their gradients are final, and a
+        # weight's last use in backward is what completes its gradient), so this overlaps backward too.
+        if not pc.param.is_cuda:
+            pc.copy_back()
+    layer.status = "redone" if label == "redo" else "updated"
+    layer.log.add("cpu", f"{label} {layer.index}", start)
+
+
+def shard_groups(param: torch.Tensor) -> tuple:
+    """The process groups over which a parameter is sharded (its DTensor mesh dimensions placed ``Shard``): a sum
+    of squares of its local shards over them is the sum over the whole parameter."""
+    if not isinstance(param, DTensor):
+        return ()
+    return tuple(param.device_mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard())
+
+
+def global_norm(norms: list[list[torch.Tensor]], groups: list[tuple], devices: list[torch.device]) -> torch.Tensor:
+    """The norm of every gradient, as ``clip_grad_norm_`` computes it over the whole model, from each parameter's
+    local piece norms: their squares summed per set of process groups that shard the parameter (``groups``, from
+    :func:`shard_groups`), each sum all-reduced over those groups, on every rank in the same order (one per kind
+    of parameter, the parameters being the same everywhere)."""
+    sums: dict[tuple, torch.Tensor] = {}
+    for piece_norms, key, device in zip(norms, groups, devices):
+        square = torch.stack(piece_norms).float().square().sum() if piece_norms else torch.zeros(())
+        sums[key] = sums.get(key, 0) + square.to(device)
+    total = torch.zeros(())
+    for key, square in sums.items():
+        for group in key:  # a sum over each sharding dimension in turn is the sum over all of them
+            dist.all_reduce(square, group=group)
+        total = total + square.cpu()
+    return total.sqrt()
 
 
 HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
