@@ -32,6 +32,13 @@ here), from the ``no offload`` run's forward and backward and the ``ZeRO-Offload
 floor. Step times are medians over ``STEPS`` steps after ``WARMUP``; each schedule runs ``ROUNDS`` times,
 interleaved, and keeps its fastest round (the machine may be shared: ``busy`` is the number of cores other
 processes kept busy meanwhile, from /proc/stat).
+
+A second table sets the planner's predicted step beside each measured one: ``CostModel.estimate`` of the same
+plan (offload 0, 1 with ``offload_overlap=False``, 1, and the split) for the same tokens, from a profile measured
+here (``nbtrain.profile(..., measure="cpu")``, so compute is each layer's measured time, as Galvatron-BMW
+profiles it) and ``Cluster.detect()`` as one device (its calibrated CPU AdamW rate and copy bandwidth). The planner
+models no FSDP2 CPUOffloadPolicy. ``floor`` takes forward + backward from the ``no offload`` and ``ZeRO-Offload``
+runs (nothing runs beside them there), whichever was faster.
 """
 
 from __future__ import annotations
@@ -47,7 +54,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
 
+import nbtrain  # noqa: E402
 from nbtrain.models import GPT, GPTConfig  # noqa: E402
+from nbtrain.planner.cost import CostModel, CostOptions  # noqa: E402
+from nbtrain.planner.strategy import Plan, Strategy  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.run.offload import OffloadedAdamW  # noqa: E402
 from nbtrain.run.offload_split import balanced_offload  # noqa: E402
@@ -55,7 +65,7 @@ from nbtrain.run.parallelize import layer_modules, slot_module  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False)
 RATIOS = (0.5, 1.0, 2.0)
-WARMUP, STEPS, ROUNDS = 2, 6, 2
+WARMUP, STEPS, ROUNDS = 2, 6, 3
 SEQ = 128
 
 
@@ -90,9 +100,9 @@ def plain_optimizer(opt):
 
 
 def run(model, ids, offload, schedule, steps, land_at="forward"):
-    """Median step time and the medians of forward, backward (s), and the last step's trace. ``offload`` None:
-    ``model`` is under FSDP2's CPUOffloadPolicy, with its own optimizer ``schedule``."""
-    total, forward, backward = [], [], []
+    """Median step time and the medians of forward, backward (s), and the traces of the measured steps.
+    ``offload`` None: ``model`` is under FSDP2's CPUOffloadPolicy, with its own optimizer ``schedule``."""
+    total, forward, backward, traces = [], [], [], []
     opt = plain_optimizer(schedule) if offload is None else OffloadedAdamW.from_model(
         model, offload, lr=1e-4, schedule=schedule, land_at=land_at)
     with opt as opt:
@@ -106,18 +116,35 @@ def run(model, ids, offload, schedule, steps, land_at="forward"):
             opt.step()
             t3 = time.perf_counter()
             total.append(t3 - t0), forward.append(t1 - t0), backward.append(t2 - t1)
-        trace = getattr(opt, "last_trace", None)
+            traces.append(getattr(opt, "last_trace", None))  # landed at the next forward: the previous step's
     med = [statistics.median(x[WARMUP:]) for x in (total, forward, backward)]
-    return med[0], med[1], med[2], trace
+    return med[0], med[1], med[2], traces[WARMUP + 1:]
 
 
-def per_layer(trace, kind: str, n: int) -> list[float]:
-    """Durations of the trace's events ``"<kind> <layer>"`` by layer (0 for layers without one)."""
-    out = [0.0] * n
-    for _, label, start, end in trace:
-        name, _, layer = label.partition(" ")
-        if name == kind and layer.isdigit():
-            out[int(layer)] += end - start
+def per_layer(traces, kind: str, n: int) -> list[float]:
+    """Per layer, the median over ``traces`` of the duration of its events ``"<kind> <layer>"`` (0 if none)."""
+    steps = []
+    for trace in traces:
+        out = [0.0] * n
+        for _, label, start, end in trace:
+            name, _, layer = label.partition(" ")
+            if name == kind and layer.isdigit():
+                out[int(layer)] += end - start
+        steps.append(out)
+    return [statistics.median(step[i] for step in steps) for i in range(n)]
+
+
+def predicted(model, cluster, batch: int, seq: int, split: list[float]) -> dict[str, float]:
+    """The planner's step time (s) of each offload schedule, from a profile measured here at this shape."""
+    prof = nbtrain.profile(model, batch_size=batch, seq_len=seq, dtype="float32", measure="cpu")
+    n = len(prof.layers)
+    cases = {"no offload": ((0.0,) * n, True), "ZeRO-Offload": ((1.0,) * n, False), "overlap": ((1.0,) * n, True),
+             "overlap+split": (tuple(split), True)}
+    out = {}
+    for name, (offload, overlap) in cases.items():
+        cost = CostModel(prof, cluster, global_batch=batch, seq_len=seq, options=CostOptions(offload_overlap=overlap))
+        plan = Plan(num_devices=1, layers=tuple(Strategy(offload=f) for f in offload), global_batch=batch)
+        out[name] = cost.estimate(plan).step_time_s
     return out
 
 
@@ -145,6 +172,8 @@ def main():
               f"{'ZeRO-Off':>9} {'FSDP2-CPU':>9} {'overlap':>8} {'ovl+split':>9} {'zero/ovl':>8} {'fsdp/ovl':>8} "
               f"{'best/floor':>10} {'busy':>5}  split")
     print(header)
+    cluster = nbtrain.Cluster.detect().replace(num_devices=1, devices_per_node=1)
+    predictions = []
     for ratio in RATIOS:
         tokens = SEQ
         for _ in range(2):  # aim, measure backward, aim again: backward is not quite linear in the tokens
@@ -176,7 +205,7 @@ def main():
         busy1 = busy_cores()
         elapsed = time.perf_counter() - start
         other = ((busy1[0] - busy0[0]) - (busy1[1] - busy0[1])) / os.sysconf("SC_CLK_TCK") / elapsed
-        fwd, bwd = best["no offload"][1], best["no offload"][2]
+        fwd, bwd = min((best[k][1], best[k][2]) for k in ("no offload", "ZeRO-Offload"))
         update = sum(per_layer(best["ZeRO-Offload"][3], "update", n_layers))
         floor = max(fwd + bwd, update)
         t = {k: v[0] for k, v in best.items()}
@@ -186,9 +215,17 @@ def main():
               f"{t['FSDP2-CPU'] * 1e3:>7.0f}ms {t['overlap'] * 1e3:>6.0f}ms {t['overlap+split'] * 1e3:>7.0f}ms "
               f"{t['ZeRO-Offload'] / ovl:>8.2f} {t['FSDP2-CPU'] / ovl:>8.2f} {ovl / floor:>10.2f} {other:>5.1f}  "
               f"{','.join(f'{f:g}' for f in split)}", flush=True)
+        predictions.append((b * s, t, predicted(model, cluster, b, s, split)))
     print("\nupd/bwd: CPU update of the whole model / backward; floor: max(fwd+bwd, update); zero/ovl, fsdp/ovl: "
           "ZeRO-Offload schedule, FSDP2 CPUOffloadPolicy / best overlapped; busy: cores other processes used "
           "meanwhile; split: offload per layer (embeddings, blocks, head) of overlap+split")
+    print(f"\nplanner's prediction / measured step ({cluster.summary()}; CPU AdamW "
+          f"{cluster.cpu_optimizer_rate / 1e6:.0f} M params/s, copy {cluster.host_to_device_bandwidth / 1e9:.1f} GB/s):")
+    names = [k for k in SCHEDULES if k != "FSDP2-CPU"]
+    print(f"{'tokens':>6} " + " ".join(f"{name:>22}" for name in names))
+    for tokens, measured, guess in predictions:
+        print(f"{tokens:>6} " + " ".join(f"{guess[k] * 1e3:>6.0f} / {measured[k] * 1e3:>4.0f}ms = {guess[k] / measured[k]:4.2f}"
+                                         for k in names))
     dist.destroy_process_group()
 
 

@@ -363,6 +363,35 @@ def test_offloaded_update_overlaps_backward_in_cotrain_and_is_serial_in_zero_off
     assert serial == pytest.approx(1e-3 + 6e-3, rel=EXACT)
 
 
+def test_on_a_cpu_device_the_update_copies_its_weights_and_the_device_share_takes_the_same_cores():
+    # One CPU "device" (the executor's emulation: forward and backward on one core, the update on another):
+    # 8M params, half offloaded, fp32. The CPU: 4M at 8e9 params/s = 0.5 ms, plus copying 4M · 4 bytes of new
+    # weights into the parameters at 1e9 B/s = 16 ms; no PCIe. The device's half at the same rate: 0.5 ms.
+    model = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu")
+    cost = model.layer(1, S(offload=0.5), microbatches=1)
+    backward = 2e7 * 100 / 1e12  # one sequence of 100 tokens, 2e7 FLOPs per token: 2 ms, overlapping the update
+    assert cost.time.offload == pytest.approx(0.5e-3 + 16e-3 - backward, rel=EXACT)
+    assert cost.time.update == pytest.approx(0.5e-3, rel=EXACT)
+    assert cost_model().layer(1, S(dp_shard=8, offload=0.5), 1).time.update == 0  # a GPU's step: not modelled
+
+
+def test_a_profile_measured_on_this_machine_gives_the_compute_time_scaled_by_flops():
+    measured = toy()
+    blocks = [dataclasses.replace(x.at(1, 100), time_fwd_s=0.010, time_bwd_s=0.030) for x in measured.layers]
+    measured = dataclasses.replace(measured, layers=tuple(blocks), measured_on="cpu")  # at batch 1 × 100 tokens
+    here = cluster(1, 1, device="cpu", source="detected")
+    # b = 4 sequences: 4× the profiled FLOPs, so 4 × (10 + 30) ms, whatever the FLOP rate says
+    on_cpu = CostModel(measured, here, global_batch=4, options=NO_RESERVE).layer(1, S(), 1)
+    assert on_cpu.time.compute == pytest.approx(4 * 0.040, rel=EXACT)
+    by_flops = 4 * 100 * 3e7 / 1e12
+    catalog = CostModel(measured, cluster(1, 1, device="cpu"), global_batch=4, options=NO_RESERVE).layer(1, S(), 1)
+    assert catalog.time.compute == pytest.approx(by_flops, rel=EXACT)  # not this machine: FLOPs over the rate
+    elsewhere = CostModel(measured, cluster(1, 1, source="detected"), global_batch=4, options=NO_RESERVE)
+    assert elsewhere.layer(1, S(), 1).time.compute == pytest.approx(by_flops, rel=EXACT)  # measured on the CPU
+    off = CostModel(measured, here, global_batch=4, options=CostOptions(reserve_bytes=0, measured_compute=False))
+    assert off.layer(1, S(), 1).time.compute == pytest.approx(by_flops, rel=EXACT)
+
+
 def test_the_zero_offload_schedule_is_never_faster_than_the_overlapped_one():
     overlapped = cost_model()
     serial = cost_model(options=CostOptions(reserve_bytes=0, offload_overlap=False))

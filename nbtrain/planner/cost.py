@@ -19,7 +19,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus a fixed reserve.
-* **Compute**: profiled FLOPs / sustained FLOP/s; checkpointing adds one forward (Chen et al. 2016).
+* **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
+  the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
+  profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016).
 * **TP**: Megatron-SP issues 2 all-gathers and 2 reduce-scatters of the hidden state per block in forward and
   again in backward (Korthikanti et al. 2022, §4.2.2); embeddings and head one each way. Ring cost
   ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005). Not overlapped.
@@ -32,7 +34,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **CPU update offload**: the offloaded fraction's AdamW runs on the host at the node's rate shared by its
   devices, and its gradients (fp32) go down and parameters (compute dtype) up over PCIe. CoTrain (Liu et al.
   2023) overlaps both with backward: a layer's update starts when its gradients are ready, so only the excess
-  over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it.
+  over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it. A CPU
+  "device" shares the host's memory: no PCIe, but the update copies its new weights into the parameters (at the
+  copy bandwidth), and the device's own share of the update takes the same cores' time (``Time.update``).
 * **Re-layout** between consecutive layers whose (dp, tp) layout differs: the hidden state moves once forward,
   once backward (Galvatron-BMW's transformation cost).
 * **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch; step time
@@ -67,6 +71,10 @@ class CostOptions:
     """CoTrain's schedule (update overlapped with backward) or ZeRO-Offload's (after backward)."""
     grad_reduce_bytes: int = 4
     """Bytes per gradient element in the data-parallel reduction (fp32, as the executor reduces)."""
+    measured_compute: bool = True
+    """Use the profile's measured forward and backward times, when it was measured on this machine's kind of
+    device and the cluster is this machine (detected, not from the catalog): Galvatron-BMW profiles compute time
+    the same way. Otherwise (or ``False``) compute is FLOPs over the sustained rate."""
 
 
 class _Sum:
@@ -104,6 +112,8 @@ class Time(_Sum):
     relayout: float = 0.0
     pp_comm: float = 0.0
     bubble: float = 0.0
+    update: float = 0.0
+    """The device's own optimizer step (its share of the update), where its rate is known: a CPU "device"."""
 
     def scaled(self, k: float) -> "Time":
         return Time(*(getattr(self, f.name) * k for f in fields(self)))
@@ -193,6 +203,9 @@ class CostModel:
             0 if cluster.device == "cpu" else GiB)
         self.e = profile.dtype_bytes
         self.host_budget = cluster.host_memory / cluster.devices_per_node
+        on = profile.measured_on or ""
+        self.measured = options.measured_compute and bool(on) and cluster.source != "catalog" and \
+            on.startswith("cpu") == (cluster.device == "cpu")
         self._eval = lru_cache(maxsize=None)(self._evaluate)
 
     # -- profile lookups -------------------------------------------------------------------------------------
@@ -232,8 +245,12 @@ class CostModel:
 
         flops_fwd = self._eval(index, "flops_fwd", b) / s.tp
         flops_bwd = self._eval(index, "flops_bwd", b) / s.tp
-        rate = c.sustained_flops
-        fwd, bwd = flops_fwd / rate, flops_bwd / rate
+        if self.measured and prof.time_fwd_s is not None:  # scaled from the profiled shape by FLOPs (or tokens)
+            tokens = b * self.seq_len / (self.profile.batch_size * self.profile.seq_len) / s.tp
+            fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
+            bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
+        else:
+            fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
         compute = fwd + bwd + (fwd if s.ac else 0.0)
 
         passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward
@@ -254,11 +271,16 @@ class CostModel:
         dp_comm = max(0.0, sync * opt.overlap_slowdown - bwd)
 
         offloaded = p / shard * s.offload
-        cpu = offloaded / (c.cpu_optimizer_rate / c.devices_per_node)
-        pcie = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth
+        rate = c.cpu_optimizer_rate / c.devices_per_node
+        cpu = offloaded / rate
+        if c.device == "cpu":  # no PCIe: the update reads the gradients in place, and copies the new weights into
+            cpu += offloaded * e / c.host_to_device_bandwidth  # the parameters (a memory copy) itself
+            pcie, update = 0.0, p / shard * (1 - s.offload) / rate  # the "device" updates the rest on its cores
+        else:  # gradients down, weights up; the device's own step, at its memory bandwidth, is not modelled
+            pcie, update = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth, 0.0
         offload = max(0.0, max(cpu, pcie) - bwd) if opt.offload_overlap else cpu + pcie
 
-        per_step = Time(dp_comm=dp_comm, offload=offload).scaled(1 / microbatches)
+        per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
