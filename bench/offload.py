@@ -27,7 +27,13 @@ Schedules, all but FSDP2's ``nbtrain.run.offload.OffloadedAdamW``:
   tenth of a layer.
 
 ``floor`` is max(forward + backward, CPU update of the whole model) (REFERENCE.md, physical limits; no PCIe
-here), from the ``no offload`` run's forward and backward and the ``ZeRO-Offload`` run's CPU update, each alone.
+here), which a GPU can approach: its share of the update is nearly free there, so the split can move layers to it
+until the CPU's queue fits under the step. Here the "device" is a core like the CPU's and the CPU idles from its
+last update to the next step's first gradient (the next forward of the offloaded layers, the head's backward):
+``sim`` is what the chosen split can reach on this machine, :func:`~nbtrain.run.offload_split.step_period` of
+each layer's forward, backward and CPU update measured with nothing beside them. Both take forward + backward
+from the ``no offload`` or ``ZeRO-Offload`` run (nothing runs beside them there), whichever was faster, and the
+CPU update from the ``ZeRO-Offload`` run.
 ``zero/ovl`` is ZeRO-Offload's step over the best overlapped one; ``best/floor`` the best overlapped step over the
 floor. Step times are medians over ``STEPS`` steps after ``WARMUP``; each schedule runs ``ROUNDS`` times,
 interleaved, and keeps its fastest round (the machine may be shared: ``busy`` is the number of cores other
@@ -37,8 +43,7 @@ A second table sets the planner's predicted step beside each measured one: ``Cos
 plan (offload 0, 1 with ``offload_overlap=False``, 1, and the split) for the same tokens, from a profile measured
 here (``nbtrain.profile(..., measure="cpu")``, so compute is each layer's measured time, as Galvatron-BMW
 profiles it) and ``Cluster.detect()`` as one device (its calibrated CPU AdamW rate and copy bandwidth). The planner
-models no FSDP2 CPUOffloadPolicy. ``floor`` takes forward + backward from the ``no offload`` and ``ZeRO-Offload``
-runs (nothing runs beside them there), whichever was faster.
+models no FSDP2 CPUOffloadPolicy.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from nbtrain.planner.cost import CostModel, CostOptions  # noqa: E402
 from nbtrain.planner.strategy import Plan, Strategy  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.run.offload import OffloadedAdamW  # noqa: E402
-from nbtrain.run.offload_split import balanced_offload  # noqa: E402
+from nbtrain.run.offload_split import balanced_offload, step_period  # noqa: E402
 from nbtrain.run.parallelize import layer_modules, slot_module  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False)
@@ -148,7 +153,7 @@ def predicted(model, cluster, batch: int, seq: int, split: list[float]) -> dict[
     return out
 
 
-SCHEDULES = {"no offload": (0.0, "overlap", "step"), "ZeRO-Offload": (1.0, "after_backward", "step"),
+SCHEDULES = {"no offload": (0.0, "overlap", "forward"), "ZeRO-Offload": (1.0, "after_backward", "step"),
              "FSDP2-CPU": (None, None, None), "overlap": (1.0, "overlap", "forward"),
              "overlap+split": ("split", "overlap", "forward")}
 
@@ -168,9 +173,9 @@ def main():
     print(f"GPT {CONFIG.n_layer} layers x {CONFIG.n_embd}, vocab {CONFIG.vocab_size}: {n_params / 1e6:.1f}M "
           f"parameters; CPU AdamW (fused, 1 thread): {update_s * 1e3:.0f} ms = {n_params / update_s / 1e9:.2f} "
           f"G params/s; threads: main 1, worker 1; {os.cpu_count()} cores\n")
-    header = (f"{'tokens':>6} {'upd/bwd':>7} {'fwd+bwd':>8} {'update':>7} {'floor':>7} {'no offload':>10} "
+    header = (f"{'tokens':>6} {'upd/bwd':>7} {'fwd+bwd':>8} {'update':>7} {'floor':>7} {'sim':>7} {'no offload':>10} "
               f"{'ZeRO-Off':>9} {'FSDP2-CPU':>9} {'overlap':>8} {'ovl+split':>9} {'zero/ovl':>8} {'fsdp/ovl':>8} "
-              f"{'best/floor':>10} {'busy':>5}  split")
+              f"{'best/floor':>10} {'best/sim':>8} {'busy':>5}  split")
     print(header)
     cluster = nbtrain.Cluster.detect().replace(num_devices=1, devices_per_node=1)
     predictions = []
@@ -208,17 +213,22 @@ def main():
         fwd, bwd = min((best[k][1], best[k][2]) for k in ("no offload", "ZeRO-Offload"))
         update = sum(per_layer(best["ZeRO-Offload"][3], "update", n_layers))
         floor = max(fwd + bwd, update)
+        alone = [per_layer(best["no offload"][3], kind, n_layers) for kind in ("forward", "backward")]
+        cpu_alone = per_layer(best["ZeRO-Offload"][3], "update", n_layers)
+        sim = step_period(*alone, cpu_alone, cpu_alone, split)
         t = {k: v[0] for k, v in best.items()}
         ovl = min(t["overlap"], t["overlap+split"])
         print(f"{b * s:>6} {update / bwd:>7.2f} {(fwd + bwd) * 1e3:>6.0f}ms {update * 1e3:>5.0f}ms "
-              f"{floor * 1e3:>5.0f}ms {t['no offload'] * 1e3:>8.0f}ms {t['ZeRO-Offload'] * 1e3:>7.0f}ms "
+              f"{floor * 1e3:>5.0f}ms {sim * 1e3:>5.0f}ms {t['no offload'] * 1e3:>8.0f}ms {t['ZeRO-Offload'] * 1e3:>7.0f}ms "
               f"{t['FSDP2-CPU'] * 1e3:>7.0f}ms {t['overlap'] * 1e3:>6.0f}ms {t['overlap+split'] * 1e3:>7.0f}ms "
-              f"{t['ZeRO-Offload'] / ovl:>8.2f} {t['FSDP2-CPU'] / ovl:>8.2f} {ovl / floor:>10.2f} {other:>5.1f}  "
+              f"{t['ZeRO-Offload'] / ovl:>8.2f} {t['FSDP2-CPU'] / ovl:>8.2f} {ovl / floor:>10.2f} {ovl / sim:>8.2f} "
+              f"{other:>5.1f}  "
               f"{','.join(f'{f:g}' for f in split)}", flush=True)
         predictions.append((b * s, t, predicted(model, cluster, b, s, split)))
-    print("\nupd/bwd: CPU update of the whole model / backward; floor: max(fwd+bwd, update); zero/ovl, fsdp/ovl: "
-          "ZeRO-Offload schedule, FSDP2 CPUOffloadPolicy / best overlapped; busy: cores other processes used "
-          "meanwhile; split: offload per layer (embeddings, blocks, head) of overlap+split")
+    print("\nupd/bwd: CPU update of the whole model / backward; floor: max(fwd+bwd, update); sim: the split's step "
+          "simulated from times measured alone; zero/ovl, fsdp/ovl: ZeRO-Offload schedule, FSDP2 CPUOffloadPolicy / "
+          "best overlapped; busy: cores other processes used meanwhile; split: offload per layer (embeddings, blocks, "
+          "head) of overlap+split")
     print(f"\nplanner's prediction / measured step ({cluster.summary()}; CPU AdamW "
           f"{cluster.cpu_optimizer_rate / 1e6:.0f} M params/s, copy {cluster.host_to_device_bandwidth / 1e9:.1f} GB/s):")
     names = [k for k in SCHEDULES if k != "FSDP2-CPU"]
