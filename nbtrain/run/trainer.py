@@ -70,6 +70,19 @@ def clip_grad_norm(parameters, max_norm: float, pipeline_group=None) -> float:
     return total
 
 
+def gradient_sync(model: nn.Module, enabled: bool, offloaded=None):
+    """A context in which backward reduces gradients over data-parallel ranks (``enabled``) or only accumulates them
+    (every micro-batch of a step but the last): DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``, and an
+    offloaded optimizer's own ``no_sync()`` (its hooks hand gradients over after the last micro-batch only)."""
+    if isinstance(model, DistributedDataParallel):
+        return nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (its reduce-scatter hands an offload over)
+        model.set_requires_gradient_sync(enabled)
+    if offloaded is not None:
+        return nullcontext() if enabled else offloaded.no_sync()
+    return nullcontext()
+
+
 def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Plain tensors together, DTensors by (mesh, placements): the lists a foreach or fused kernel takes whole."""
     groups: dict = {}
@@ -162,14 +175,7 @@ class Trainer:
                           norm)
 
     def _gradient_sync(self, enabled: bool):
-        """Reduce gradients over data-parallel ranks only after the last micro-batch of a step."""
-        if isinstance(self.model, DistributedDataParallel):
-            return nullcontext() if enabled else self.model.no_sync()
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (its reduce-scatter hands an offload over)
-            self.model.set_requires_gradient_sync(enabled)
-        if self.offloaded:  # the optimizer's own hooks hand gradients over after the last micro-batch only
-            return nullcontext() if enabled else self.optimizer.no_sync()
-        return nullcontext()
+        return gradient_sync(self.model, enabled, self.optimizer if self.offloaded else None)
 
     def _accumulate(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradients accumulated; returns the mean loss of the rows."""

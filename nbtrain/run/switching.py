@@ -1,0 +1,199 @@
+"""Hot switching (HotSPa): each length bucket of a step under its own strategy, one optimizer update per step.
+
+    >>> switching = HotSwitching(lambda: GPT(config), {512: "dp_replicate=2", 2048: "dp_shard=2", 8192: "tp=2"},
+    ...                          lr=3e-4)                  # in every worker, after the process group exists
+    >>> for buckets in length_batches(docs, tokens_per_step=16384, bounds=[512, 2048, 8192]):
+    ...     record = switching.step(buckets)              # SwitchStepRecord: loss, seconds, switches
+    >>> switching.home                                    # the longest bucket's model: master weights, optimizer
+
+The model is built and parallelized once per strategy (``parallelize`` of a uniform plan: DDP, FSDP2, tensor
+parallel, or their mixes, on every process). The *home* strategy is the longest bucket's: its model holds the
+weights the optimizer updates and the optimizer state, all step long. A step runs the other strategies first,
+shortest buckets first, each as HotSPa does:
+
+1. switch the weights home → strategy (:class:`~nbtrain.run.reshard.ReshardPlan`, planned once per pair);
+2. forward and backward of each of its buckets' rows (each data-parallel rank its rows; the gradient sync of that
+   layout once, after its last bucket);
+3. switch the gradients strategy → home, *added* to the home model's ``.grad``;
+
+then the home strategy's buckets (its gradient sync adds their gradients to what is there: DDP and FSDP2 reduce
+``.grad`` plus the new local gradient, and what the switches put there is already the same on every replica), one
+clipping and one optimizer step in the home layout. The loss is the token-level mean over the whole step: each rank
+backpropagates ``Σ cross-entropy of its rows × dp / tokens of the step`` (DDP and FSDP2 divide by dp), so the
+gradients are those of one process over all the buckets. Each strategy's model is resident all the time (weights
+and gradients of every layout: more memory than HotSPa, which frees a layout's copy when it leaves it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.run.mesh import PlanMeshes
+from nbtrain.run.parallelize import layer_modules, parallelize
+from nbtrain.run.reshard import ReshardPlan, local_data
+from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One re-layout of a step, as this rank measured it."""
+
+    what: str
+    """``"weights"`` (home → strategy) or ``"gradients"`` (strategy → home)."""
+    strategy: str
+    seconds: float
+    bytes_received: int
+
+
+@dataclass(frozen=True)
+class SwitchStepRecord:
+    step: int
+    loss: float
+    """Token-level mean cross-entropy over every bucket of the step."""
+    tokens: int
+    seconds: float
+    bucket_seconds: dict[int, float]
+    """Forward and backward seconds per bucket bound (on this rank)."""
+    switches: list[Switch] = field(default_factory=list)
+
+    @property
+    def switch_seconds(self) -> float:
+        return sum(s.seconds for s in self.switches)
+
+
+class _Layout:
+    """The model parallelized under one strategy, and what a step needs of it."""
+
+    def __init__(self, build: Callable[[], nn.Module], strategy: Strategy, seed: int):
+        torch.manual_seed(seed)
+        model = build()
+        n = len(layer_modules(model))
+        self.strategy = strategy
+        self.plan = Plan(num_devices=dist.get_world_size(), layers=(strategy,) * n)
+        self.meshes = PlanMeshes(self.plan)
+        self.wrapped = parallelize(model, self.plan, self.meshes)
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.dp_rank = self.meshes.dp_rank(0)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a bucket (padded by the caller to a multiple of dp)."""
+        return t.chunk(self.strategy.dp)[self.dp_rank]
+
+
+def _strategy(value) -> Strategy:
+    if isinstance(value, Strategy):
+        return value
+    plan = Plan.parse(str(value), num_devices=dist.get_world_size(), num_layers=1)
+    return plan.layers[0]
+
+
+def _padded(rows: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
+    extra = -rows.shape[0] % multiple
+    if not extra:
+        return rows
+    return torch.cat([rows, rows.new_full((extra, *rows.shape[1:]), fill)])
+
+
+class HotSwitching:
+    """Train with one strategy per length bucket (module docstring). ``strategies``: bound → strategy (a
+    ``Strategy`` or its text, ``"dp_shard=2"``); the largest bound's is the home. ``build()`` makes the model on
+    this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same initial weights)."""
+
+    def __init__(self, build: Callable[[], nn.Module], strategies: Mapping[int, object], *, lr: float = 1e-3,
+                 weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0):
+        if not strategies:
+            raise InvalidArgumentError("strategies is empty: give at least one bucket bound and its strategy")
+        self.bounds = sorted(strategies)
+        by_bound = {b: _strategy(strategies[b]) for b in self.bounds}
+        home = by_bound[self.bounds[-1]]
+        order = list(dict.fromkeys(by_bound[b] for b in self.bounds if by_bound[b] != home)) + [home]
+        self.layouts = {s: _Layout(build, s, seed) for s in order}  # the same order on every rank: collective
+        self.strategy_of = by_bound
+        self.home = self.layouts[home]
+        self.clip_norm, self.steps_done = clip_norm, 0
+        groups = [{"params": ps} for ps in group_by_kind(self.home.params)]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
+        self._to = {s: ReshardPlan(self.home.params, layout.params) for s, layout in self.layouts.items()
+                    if layout is not self.home}
+        self._back = {s: ReshardPlan(layout.params, self.home.params) for s, layout in self.layouts.items()
+                      if layout is not self.home}
+
+    def step(self, buckets) -> SwitchStepRecord:
+        """One step over a global batch given as packed rows per bucket (objects with ``bound``, ``ids``,
+        ``targets`` and, optionally, ``doc_ids``; every rank passes the same)."""
+        started = time.perf_counter()
+        buckets = sorted(buckets, key=lambda b: b.bound)
+        unknown = [b.bound for b in buckets if b.bound not in self.strategy_of]
+        if unknown:
+            raise InvalidArgumentError(f"buckets of bound {unknown} have no strategy; strategies were given for "
+                                       f"{self.bounds}")
+        tokens = sum(int((b.targets != -100).sum()) for b in buckets)
+        if tokens == 0:
+            raise InvalidArgumentError("the step has no target token (every target is -100)")
+        loss = torch.zeros((), dtype=torch.float64)
+        seconds, switches = {}, []
+        for strategy, layout in self.layouts.items():
+            mine = [b for b in buckets if self.strategy_of[b.bound] == strategy]
+            away = layout is not self.home
+            if not mine:
+                continue
+            if away:
+                self._to[strategy].run([local_data(p.detach()) for p in self.home.params],
+                                       [local_data(p.detach()) for p in layout.params])
+                switches.append(Switch("weights", str(strategy), self._to[strategy].seconds,
+                                       self._to[strategy].bytes_received))
+            for i, bucket in enumerate(mine):
+                t0 = time.perf_counter()
+                with gradient_sync(layout.wrapped, i == len(mine) - 1):
+                    loss += self._forward_backward(layout, bucket, tokens)
+                seconds[bucket.bound] = time.perf_counter() - t0
+            if away:
+                self._add_gradients(strategy, layout)
+                switches.append(Switch("gradients", str(strategy), self._back[strategy].seconds,
+                                       self._back[strategy].bytes_received))
+        if self.clip_norm is not None:
+            clip_grad_norm(self.home.params, self.clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)
+        self.steps_done += 1
+        return SwitchStepRecord(self.steps_done, float(loss) / tokens, tokens, time.perf_counter() - started,
+                                seconds, switches)
+
+    def _forward_backward(self, layout: _Layout, bucket, tokens: int) -> torch.Tensor:
+        """Backward of this rank's rows' summed cross-entropy × dp / the step's tokens; returns that sum / tp (summed
+        over every rank, the step's total: each row's sum is held by its tp ranks)."""
+        s = layout.strategy
+        ids = layout.rows(_padded(bucket.ids, s.dp, 0))
+        targets = layout.rows(_padded(bucket.targets, s.dp, -100))
+        kwargs = {}
+        if getattr(bucket, "doc_ids", None) is not None:
+            kwargs["doc_ids"] = layout.rows(_padded(bucket.doc_ids, s.dp, -1))
+        logits = layout.wrapped(ids, **kwargs)
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                 ignore_index=-100, reduction="sum")
+        (summed * s.dp / tokens).backward()
+        return summed.detach().double() / s.tp
+
+    def _add_gradients(self, strategy: Strategy, layout: _Layout) -> None:
+        """Add the strategy's (synced) gradients into the home model's ``.grad``, then drop them."""
+        for p in self.home.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for p in layout.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a parameter no bucket used still moves its (zero) part
+        self._back[strategy].run([local_data(p.grad) for p in layout.params],
+                                 [local_data(p.grad) for p in self.home.params], add=True)
+        for p in layout.params:
+            p.grad = None
