@@ -12,6 +12,14 @@ computes just those.
     >>> model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
     >>> model(torch.randint(0, 256, (2, 16))).shape
     torch.Size([2, 16, 256])
+
+Packed rows (several documents per row, :mod:`nbtrain.data`) pass ``doc_ids``: attention stays inside each
+document and positions restart at each one, so every document gets the logits it has alone:
+
+    >>> from nbtrain.data import pack
+    >>> rows = pack([torch.randint(0, 256, (n,)) for n in (9, 4, 3)], bound=16)
+    >>> model(rows.ids, doc_ids=rows.doc_ids).shape
+    torch.Size([1, 16, 256])
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nbtrain.data import document_mask, document_positions
+from nbtrain.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    """Causal self-attention with separate q/k/v/o projections (so tensor parallelism can split each)."""
+    """Causal self-attention with separate q/k/v/o projections (so tensor parallelism can split each).
+
+    With ``doc_ids`` (``[batch, seq]``, :func:`nbtrain.data.document_mask`) a token attends only to earlier tokens
+    of its own document, and RoPE rotates by its position within that document."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -107,21 +121,32 @@ class Attention(nn.Module):
             inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
             self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1, not n_head: under tensor parallelism a rank holds only its slice of the heads.
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rope:
-            angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), self.inv_freq)
+            if doc_ids is None:
+                angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), self.inv_freq)
+            else:
+                # [B, 1, T, head_dim/2], broadcast over heads. RoPE scores depend on i - j only, so under the
+                # document mask row positions would be as right in exact arithmetic; positions within the
+                # document also round as the document alone does (fp32 angles near 30K are 2e-3 rad apart).
+                angles = document_positions(doc_ids).float()[:, None, :, None] * self.inv_freq
             angles = torch.cat((angles, angles), dim=-1)
             cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves n_head / n_kv_head queries
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if doc_ids is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            # Each block builds its mask from doc_ids, as it builds its RoPE table: a pipeline stage or a
+            # checkpointed block needs nothing computed elsewhere. O(T²) bools per row, small beside attention.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids))
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -152,13 +177,14 @@ class Block(nn.Module):
         self.ln_2 = _norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), doc_ids)
         return x + self.mlp(self.ln_2(x))
 
 
 class Embedding(nn.Module):
-    """Token embedding, plus the learned position table for GPT-2."""
+    """Token embedding, plus the learned position table for GPT-2 (indexed by the position within each document
+    when ``doc_ids`` is given)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -166,13 +192,14 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
         self.block_size = config.block_size
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds the model's block_size {self.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            positions = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)
+            x = x + self.wpe(positions)
         return x
 
 
@@ -189,7 +216,9 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    """``embed → blocks → head``; ``forward(idx)`` returns logits ``(batch, seq, vocab)``."""
+    """``embed → blocks → head``; ``forward(idx)`` returns logits ``(batch, seq, vocab)``, and
+    ``forward(idx, doc_ids)`` those of packed rows, each document attending only within itself
+    (``doc_ids`` as :class:`nbtrain.data.PackedRows` has them: 0, 1, ... per document of a row, -1 on padding)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -212,10 +241,15 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if doc_ids is not None and doc_ids.shape != idx.shape:
+            raise InvalidArgumentError(f"doc_ids has shape {tuple(doc_ids.shape)} but idx {tuple(idx.shape)}; "
+                                       "give one document number per token (PackedRows.doc_ids)")
+        # Without doc_ids every layer gets its one input, as before: hooks and pipeline stages see the same call.
+        extra = () if doc_ids is None else (doc_ids,)
+        x = self.embed(idx, *extra)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, *extra)
         return self.head(x)
 
     def num_params(self) -> int:
