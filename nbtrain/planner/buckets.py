@@ -1,0 +1,336 @@
+"""Hot switching, planned: one strategy per sequence-length bucket of a step (HotSPa), and which buckets to merge.
+
+    >>> prof = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
+    >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=8), [(4096, 48), (16384, 6), (32768, 2)])
+    >>> print(hot.summary())
+    hot switching: 3 buckets · 3 strategies · home dp_shard=2 zero=2 tp=4 · fits 66.16 GiB/80.00 GiB ...
+    >>> hot.strategies()            # bound → strategy, what nbtrain.run.switching.HotSwitching takes
+    >>> print(hot)                  # one row per bucket, the switches, the static plan, the speed-up
+
+A bucket ``(bound, rows)`` is ``rows`` rows of ``bound`` tokens per step (what packing the step's documents of that
+length gives). The longest bucket's strategy is the *home*: its layout holds the master weights and the optimizer.
+
+**Step time.** A bucket runs one forward and backward (no micro-batches) under one strategy for every layer: the
+cost model at ``global_batch=rows, seq_len=bound``, Σ over layers of ``compute + tp_comm + zero3_comm``. Buckets
+sharing a strategy run back to back (grouped by strategy, in the order of their shortest bucket, the home last, as
+:mod:`nbtrain.run.switching` runs them) and synchronise their gradients once, in that layout, overlapped with the
+backward of the group's last (longest) bucket: the cost model's ``dp_comm`` at that bucket. Each strategy other than
+the home pays two switches per step (:mod:`nbtrain.planner.bucket_search`): the compute copy of the weights home → it
+(``profile.dtype_bytes`` per parameter) and the accumulated gradients back (``CostOptions.grad_reduce_bytes``, fp32).
+Then one update in the home layout (the cost model's ``Time.update``, non-zero where it knows the device's own rate).
+
+**Memory per device.** All step long the home layout holds its compute copy, gradients and optimizer state (Σ over
+layers of the cost model's ``params + grads + optimizer``). A bucket under the home strategy adds its activations
+and the largest transient of its layers: exactly ``CostModel.estimate`` of that uniform plan. A bucket under another
+strategy adds that layout's compute copy and gradients (its ``params + grads``), its activations and its largest
+transient (HotSPa frees a layout's copy when it leaves it; :mod:`nbtrain.run.switching` keeps every layout resident
+for now, which needs more). Plus the cost model's reserve. Every bucket fits.
+
+**Search.** For each way to merge adjacent buckets (a merged bucket has the larger bound and
+``ceil(tokens / bound)`` rows: the shorter rows packed into longer ones, attention then paid over whole rows) and
+each home strategy that fits the longest bucket, the other buckets are partitioned into groups, each group under its
+best strategy (a dynamic program over subsets: exact). Strategies come from ``strategy_space`` (power-of-two
+degrees, tp inside a node and dividing the heads, no tp with a tied embedding) with ``rows % dp == 0``. Up to 6
+buckets every merging is tried; beyond (up to 12), adjacent buckets are first merged greedily, the fastest merge
+first, until 6 remain, and the buckets as given are tried too. The *static plan* is the best single strategy for
+every bucket as given (no merging, no switch); it is one of the plans searched, so hot switching is never slower.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
+from nbtrain.planner.bucket_search import Assignment, BucketCosts, Switch, fastest, static
+from nbtrain.planner.cost import CostOptions, Memory
+from nbtrain.planner.strategy import Strategy
+from nbtrain.profiler.hardware import Cluster
+from nbtrain.profiler.result import ModelProfile
+from nbtrain.table import Table
+from nbtrain.units import format_bytes, format_seconds, parse_bytes
+
+MAX_EXHAUSTIVE = 6
+"""Buckets up to which every way of merging adjacent ones is tried (2^(n−1) of them)."""
+MAX_BUCKETS = 12
+"""Buckets the search takes at most (its dynamic program has 3^(n−1) steps)."""
+
+
+@dataclass(frozen=True)
+class BucketOptions:
+    """What :func:`plan_buckets` may choose. No pipeline and no CPU offload: the executor switches neither."""
+
+    allow_ac: bool = True
+    """Activation checkpointing may be chosen (per bucket, for every layer)."""
+    zero_levels: tuple[int, ...] = (2, 3)
+    """ZeRO levels a sharded strategy may take."""
+    max_tp: int | None = None
+    """A cap on the tensor-parallel degree (None: the node's size)."""
+    merge: bool = True
+    """Try merging adjacent buckets (False: the buckets as given)."""
+    cost: CostOptions = CostOptions()
+    """The cost model's knobs (memory reserve, overlap slowdown, gradient bytes)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of the plan, as it runs each step."""
+
+    lower: int
+    """Lengths above this run here (the previous bucket's bound; 0 for the first)."""
+    bound: int
+    """Tokens per row."""
+    rows: int
+    """Rows of ``bound`` tokens per step (merged buckets: the shorter rows packed, rounded up)."""
+    strategy: Strategy
+    """One strategy for every layer while this bucket runs."""
+    time_s: float
+    """Its forward and backward, plus its strategy's gradient sync when it is that strategy's last bucket."""
+    memory: Memory
+    """Bytes per device while it runs: the home layout's states plus what this bucket adds (module docstring)."""
+    merged: int = 1
+    """How many of the given buckets it holds."""
+
+    @property
+    def tokens(self) -> int:
+        return self.bound * self.rows
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """The best single strategy for every bucket as given, under the same memory budget."""
+
+    strategy: Strategy
+    step_time_s: float
+    """Σ bucket passes, one gradient sync, the update."""
+    memory_bytes: float
+    """Its largest bucket's memory per device."""
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Strategies per length bucket, the switches between them and the predicted step, beside the static plan."""
+
+    model: str
+    """The profiled model's name."""
+    num_devices: int
+    buckets: tuple[Bucket, ...]
+    """Shortest first; the last runs under the home strategy."""
+    switches: tuple[Switch, ...]
+    """Per step, in the order they run."""
+    update_s: float
+    """The optimizer update in the home layout."""
+    step_time_s: float
+    """Σ bucket times + Σ switch times + the update."""
+    tokens: int
+    """Tokens per step of the buckets as given (merging pads some rows; these are the data's)."""
+    budget_bytes: float
+    """Memory per device the plan was made for."""
+    static: StaticPlan | None
+    """None when no single strategy runs every bucket within the budget."""
+    notes: tuple[str, ...] = ()
+    """What the planner wants the user to know (how it searched many buckets)."""
+
+    @property
+    def home(self) -> Strategy:
+        return self.buckets[-1].strategy
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return max(b.memory.total for b in self.buckets)
+
+    @property
+    def speedup(self) -> float | None:
+        """Static step time / this plan's step time (None without a static plan)."""
+        return None if self.static is None else self.static.step_time_s / self.step_time_s
+
+    def strategies(self) -> dict[int, Strategy]:
+        """Bucket bound → strategy: what :class:`nbtrain.run.switching.HotSwitching` takes."""
+        return {b.bound: b.strategy for b in self.buckets}
+
+    def summary(self) -> str:
+        kinds = len({b.strategy for b in self.buckets})
+        parts = [f"{len(self.buckets)} bucket{'s' * (len(self.buckets) > 1)}",
+                 f"{kinds} strateg{'ies' if kinds > 1 else 'y'}", f"home {self.home}",
+                 f"fits {format_bytes(self.memory_bytes)}/{format_bytes(self.budget_bytes)}",
+                 f"{format_seconds(self.step_time_s)}/step"]
+        if self.static is not None:
+            parts.append(f"{self.speedup:.2f}× over static ({self.static.strategy})")
+        return "hot switching: " + " · ".join(parts)
+
+    def table(self) -> Table:
+        table = Table(["lengths", "rows", "tokens", "strategy", "time", "memory"], align="lrrlrr")
+        table.title = f"{self.model or 'model'} on {self.num_devices} devices, one strategy per length bucket"
+        for b in self.buckets:
+            home = " (home)" if b.strategy == self.home else ""
+            table.add(f"({_length(b.lower)}, {_length(b.bound)}]", b.rows, f"{b.tokens:,}", f"{b.strategy}{home}",
+                      format_seconds(b.time_s), format_bytes(b.memory.total))
+        table.footer += [f"switch {s}" for s in self.switches] or ["no switch: every bucket runs in the home layout"]
+        if self.update_s:
+            table.footer.append(f"update in the home layout: {format_seconds(self.update_s)}")
+        table.footer.append(f"predicted: {format_seconds(self.step_time_s)} per step · {self.tokens_per_s:,.0f} "
+                            f"tokens/s · memory {format_bytes(self.memory_bytes)} of "
+                            f"{format_bytes(self.budget_bytes)} per device")
+        if self.static is None:
+            table.footer.append("static plan: no single strategy runs every bucket within the budget")
+        else:
+            s = self.static
+            table.footer.append(f"static plan '{s.strategy}' for every bucket: {format_seconds(s.step_time_s)} per "
+                                f"step, {format_bytes(s.memory_bytes)} per device; speed-up {self.speedup:.2f}×")
+        table.footer += [f"note: {note}" for note in self.notes]
+        return table
+
+    def __str__(self) -> str:
+        return str(self.table())
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+
+def _length(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=None,
+                 options: BucketOptions | None = None) -> BucketPlan:
+    """The fastest hot-switching plan for ``buckets`` — ``[(bound, rows), ...]``, shortest first — within
+    ``memory`` per device (bytes or ``"40GiB"``; default: the device's), beside the best static plan. Raises
+    :class:`NoFeasiblePlanError` when nothing fits, :class:`InvalidArgumentError` for buckets it cannot read.
+
+        >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=16), [(4096, 48), (32768, 2)],
+        ...                    memory="40GiB")
+        >>> {bound: str(s) for bound, s in hot.strategies().items()}
+        {4096: 'dp_replicate=2 dp_shard=8 zero=2 ac', 32768: 'dp_shard=2 zero=2 tp=8'}
+    """
+    options = options or BucketOptions()
+    if not isinstance(profile, ModelProfile):
+        raise InvalidArgumentError(f"plan_buckets needs a ModelProfile, got {type(profile).__name__}; profile the "
+                                   "model first: nbtrain.profile('llama-7b', batch_size=1, seq_len=4096)")
+    given = _checked(buckets)
+    if len(given) > MAX_BUCKETS:
+        raise InvalidArgumentError(f"{len(given)} buckets are more than the search takes ({MAX_BUCKETS}); use "
+                                   "coarser bounds, e.g. powers of 4 (256, 1K, 4K, 16K, 64K)")
+    costs = BucketCosts(profile, cluster, parse_bytes(memory) if memory is not None else None, options)
+    as_given = [[b] for b in given]
+    parts, notes = as_given, ()
+    while options.merge and len(parts) > MAX_EXHAUSTIVE:  # greedily: the merge that gives the fastest step
+        parts = min((parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:] for i in range(len(parts) - 1)),
+                    key=lambda grouping: _fastest(costs, grouping)[0].seconds)
+        notes = (f"{len(given)} buckets: adjacent ones were merged greedily (the fastest merge first) down to "
+                 f"{MAX_EXHAUSTIVE}, then every merging of those was tried, beside the buckets as given",)
+    candidates = (([as_given] if parts is not as_given else []) + _mergings(parts)) if options.merge else [as_given]
+    best = min((_fastest(costs, grouping) for grouping in candidates), key=lambda x: x[0].seconds)
+    if not math.isfinite(best[0].seconds):
+        raise NoFeasiblePlanError(_no_fit(costs, given))
+    return _plan(costs, given, *best, notes=notes)
+
+
+def _fastest(costs: BucketCosts, grouping: list) -> tuple[Assignment, list, list]:
+    """The fastest assignment for a grouping of the given buckets (infinitely slow when nothing fits)."""
+    merged = [costs.bucket(group[-1][0], merged_rows(group)) for group in grouping]
+    found = fastest(costs, merged) or Assignment(math.inf, -1, [])
+    return found, grouping, merged
+
+
+def _checked(buckets) -> list[tuple[int, int]]:
+    example = "e.g. [(4096, 48), (16384, 6), (32768, 2)]"
+    try:
+        given = [tuple(b) for b in buckets]
+    except TypeError:
+        raise InvalidArgumentError(f"buckets must be (bound, rows) pairs, shortest first, {example}; got "
+                                   f"{buckets!r}") from None
+    if not given:
+        raise InvalidArgumentError(f"no buckets: give at least one (bound, rows) pair, {example}")
+    out = []
+    for b in given:
+        try:
+            bound, rows = (operator.index(x) for x in b)
+        except (TypeError, ValueError):
+            bound = rows = 0
+        if len(b) != 2 or bound < 1 or rows < 1:
+            raise InvalidArgumentError(f"bucket {b!r} is not (bound, rows) with positive whole numbers: bound is "
+                                       f"the tokens per row, rows the rows of that length per step; {example}")
+        out.append((bound, rows))
+    for (a, _), (b, _) in zip(out, out[1:]):
+        if b <= a:
+            what = "two buckets have" if a == b else "bounds must increase, shortest first, but"
+            raise InvalidArgumentError(f"{what} bound {a} then {b}: sort the buckets by bound and add up the rows "
+                                       f"of equal bounds, {example}")
+    return out
+
+
+def merged_rows(buckets: list[tuple[int, int]]) -> int:
+    """Rows of the longest bound that hold the tokens of ``buckets`` (adjacent, shortest first), rounded up:
+    ``merged_rows([(4096, 6), (16384, 2)]) == 4``."""
+    bound = buckets[-1][0]
+    return -(-sum(b * r for b, r in buckets) // bound)
+
+
+def _mergings(parts: list) -> list:
+    """Every way to merge adjacent parts, fewest merges first (on equal step times the buckets stay as given)."""
+    n = len(parts)
+    out = []
+    for merges in range(n):
+        for cuts in itertools.combinations(range(1, n), n - 1 - merges):
+            edges = [0, *cuts, n]
+            out.append([sum(parts[a:b], []) for a, b in zip(edges, edges[1:])])
+    return out
+
+
+def _plan(costs: BucketCosts, given, found, grouping, merged, notes) -> BucketPlan:
+    space, home = costs.space, found.home
+    last_of = {j: k for k, j in enumerate(found.strategies)}  # each strategy syncs after its last bucket
+    buckets, lower = [], 0
+    for k, (group, b, j) in enumerate(zip(grouping, merged, found.strategies)):
+        seconds = b.passes[j] + (b.sync[j] if last_of[j] == k else 0.0)
+        buckets.append(Bucket(lower, b.bound, b.rows, space[j], float(seconds), costs.bucket_memory(b, home, j),
+                              merged=len(group)))
+        lower = b.bound
+    order = [j for j in dict.fromkeys(found.strategies) if j != home]  # the order they run in
+    switches = tuple(x for j in order for x in costs.switches[space[home], space[j]])
+    update = float(costs.update[home])
+    step = sum(b.time_s for b in buckets) + sum(s.seconds for s in switches) + update
+    alone = static(costs, [costs.bucket(bound, rows) for bound, rows in given])
+    if alone is not None:
+        seconds, j = alone
+        need = max(float(costs.home_memory(costs.bucket(bound, rows))[j]) for bound, rows in given)
+        alone = StaticPlan(space[j], seconds, need)
+    return BucketPlan(costs.profile.model, costs.cluster.num_devices, tuple(buckets), switches, update, step,
+                      sum(bound * rows for bound, rows in given), costs.budget, alone, notes)
+
+
+def _no_fit(costs: BucketCosts, given) -> str:
+    """Why nothing fits, and what to change."""
+    c = costs.cluster
+    for bound, rows in given:
+        if not any(rows % s.dp == 0 for s in costs.space):
+            dps = sorted({s.dp for s in costs.space})
+            tp = f"tensor parallelism is ruled out ({costs.no_tp})" if costs.no_tp else \
+                f"tensor parallelism stays inside a node of {c.devices_per_node} and divides the heads"
+            return (f"no strategy runs the bucket of {_rows(rows)} of {bound} tokens on {c.num_devices} devices: "
+                    f"each data-parallel rank needs the same number of whole rows, and {tp}, which leaves dp in "
+                    f"{dps}; give that bucket a multiple of {dps[0]} rows, or use fewer devices")
+    bound, rows = given[-1]
+    b = costs.bucket(bound, rows)
+    need = np.where(np.isfinite(b.passes), costs.home_memory(b), np.inf)
+    j = int(np.argmin(need))
+    where = f"no bucket plan fits {format_bytes(costs.budget)} per device on {c.num_devices} × {c.device}"
+    if need[j] > costs.budget:
+        return (f"{where}: the longest bucket ({_rows(rows)} of {bound} tokens) needs {format_bytes(need[j])} "
+                f"under its leanest strategy '{costs.space[j]}'; use devices with more memory, more devices, or a "
+                "shorter longest bound")
+    return (f"{where}: the longest bucket fits under '{costs.space[j]}' ({format_bytes(need[j])}), but the other "
+            "buckets fit neither in the home layout nor beside its model states; use devices with more memory, or "
+            "fewer rows in the shorter buckets")
+
+
+def _rows(n: int) -> str:
+    return f"{n} row{'s' * (n != 1)}"

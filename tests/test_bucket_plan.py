@@ -1,0 +1,322 @@
+"""Hot switching, planned: one strategy per sequence-length bucket, the switches between them, merging buckets.
+
+    .venv/bin/pytest tests/test_bucket_plan.py -q          # a few seconds, pure Python
+
+The models are runs of identical blocks with round numbers (:func:`blocks`): ``P`` parameters per block, ``act``
+saved bytes and ``out`` output bytes per token, ``fwd + attn·s`` forward FLOPs per token of a row of ``s`` tokens
+(attention grows with the row), backward twice the forward. Clusters are the fixtures' (1 TFLOP/s sustained, 1 GB/s
+links unless a test says otherwise), with no memory reserve. Expected bytes are derived by hand from the models in
+the docstrings of :mod:`nbtrain.planner.buckets` and :mod:`nbtrain.planner.bucket_search`; where a test checks a
+choice, a comment gives the arithmetic that makes it the right one, and one test compares the search with trying
+every merging and every strategy per bucket through ``CostModel.estimate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from fractions import Fraction
+
+import pytest
+
+from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
+from nbtrain.planner.bucket_search import received_fraction, switch_cost
+from nbtrain.planner.buckets import BucketOptions, merged_rows, plan_buckets
+from nbtrain.planner.cost import CostModel, CostOptions
+from nbtrain.planner.strategy import Plan, Strategy, strategy_space
+from nbtrain.profiler.result import Scaling
+
+from tests.planner_fixtures import cluster, layer, profile
+
+S = Strategy
+NO_RESERVE = CostOptions(reserve_bytes=0)
+EXACT = 1e-9
+P = 1_000_000
+
+
+def blocks(n: int = 4, *, act: float = 4000, out: float = 1000, fwd: float = 1e6, attn: float = 100, n_head: int = 8,
+           tied: bool = False):
+    """``n`` identical blocks of ``P`` parameters (``tied``: an embedding and a head sharing a weight around them)."""
+    flops = {"flops_fwd": Scaling((fwd, attn, 0, 0, 0, 0)), "flops_bwd": Scaling((2 * fwd, 2 * attn, 0, 0, 0, 0))}
+    layers = [layer(f"blocks.{i}", "block", params=P, act=act, out=out, fwd=fwd, scaling=flops) for i in range(n)]
+    if tied:
+        layers = [layer("embed", "embedding", params=P, act=8, out=out, fwd=0)] + layers + \
+            [layer("head", "head", params=0, act=act, out=out, fwd=fwd)]
+        layers[-1] = dataclasses.replace(layers[-1], tied=("embed.weight",))
+    return profile(layers, n_head=n_head)
+
+
+def options(**changes) -> BucketOptions:
+    return BucketOptions(**{"cost": NO_RESERVE, **changes})
+
+
+# --- the switch cost model --------------------------------------------------------------------------------------
+
+def test_switching_to_a_replicated_layout_receives_all_but_the_held_chunk_and_sends_no_gradient_back():
+    c = cluster(8)
+    home, short = S(dp_shard=2, tp=4), S(dp_replicate=8)
+    weights = switch_cost("weights", home, short, params=4 * P, bytes_per_param=2, cluster=c)
+    grads = switch_cost("gradients", short, home, params=4 * P, bytes_per_param=4, cluster=c)
+    # a rank holds 1/(2·4) of every weight at home and needs all of it: 7/8 · 4M params · 2 B = 7 MB, at 1 GB/s 7 ms
+    assert (weights.bytes, weights.seconds) == pytest.approx((7_000_000, 7e-3), rel=EXACT)
+    # the replicated gradients contain every chunk the home layout holds: nothing to receive
+    assert grads.bytes == 0 and grads.seconds == 0
+
+
+def test_layouts_that_split_a_tensor_differently_reuse_nothing_and_equal_layouts_move_nothing():
+    c = cluster(8)
+    # FSDP chunks of 1/8 → TP-and-FSDP chunks of 1/8: not nested, the whole new chunk: 1/8 · 4M · 2 B = 1 MB
+    assert switch_cost("weights", S(dp_shard=8), S(dp_shard=2, tp=4), params=4 * P, bytes_per_param=2,
+                       cluster=c).bytes == pytest.approx(1_000_000, rel=EXACT)
+    # FSDP over 2 → over 4: rank 1 holds [1/2, 1) and needs [1/4, 1/2): 1/4 · 4M · 4 B = 4 MB of gradients
+    assert switch_cost("gradients", S(dp_replicate=4, dp_shard=2), S(dp_replicate=2, dp_shard=4), params=4 * P,
+                       bytes_per_param=4, cluster=c).bytes == pytest.approx(4_000_000, rel=EXACT)
+    # checkpointing and the ZeRO level do not move a parameter
+    assert switch_cost("weights", S(dp_shard=2, tp=4, ac=True), S(dp_shard=2, zero=2, tp=4), params=4 * P,
+                       bytes_per_param=2, cluster=c).bytes == 0
+
+
+def _chunk(rank: int, n: int) -> tuple[Fraction, Fraction]:
+    """The contiguous chunk of a tensor a rank holds when the innermost mesh axis that splits it has size ``n``."""
+    i = rank % n
+    return Fraction(i, n), Fraction(i + 1, n)
+
+
+@pytest.mark.parametrize("axis", ["dp_shard", "tp"])
+def test_reuse_is_what_the_worst_rank_already_holds_of_its_new_chunk_on_the_mesh(axis):
+    # Independent of the rule in bucket_search: place every rank's chunk on the mesh (the splitting axis innermost,
+    # chunk index = rank mod its size) and take the rank that must receive most.
+    devices = 8
+    for a, b in itertools.product([1, 2, 4, 8], repeat=2):
+        source, target = (S(dp_replicate=devices // n, **{axis: n}) for n in (a, b))
+        worst = Fraction(0)
+        for rank in range(devices):
+            (a0, a1), (b0, b1) = _chunk(rank, a), _chunk(rank, b)
+            overlap = max(Fraction(0), min(a1, b1) - max(a0, b0))
+            worst = max(worst, (b1 - b0) - overlap)
+        assert received_fraction(source, target) == pytest.approx(float(worst), rel=EXACT), (axis, a, b)
+
+
+def test_a_switch_across_nodes_runs_at_the_inter_node_bandwidth():
+    c = cluster(16, 8, intra_node_bandwidth=100e9, inter_node_bandwidth=1e8)
+    weights = switch_cost("weights", S(dp_shard=2, tp=8), S(dp_shard=16), params=4 * P, bytes_per_param=2, cluster=c)
+    # 1/16 · 4M · 2 B = 0.5 MB over 0.1 GB/s: 5 ms (the 100 GB/s inside a node does not apply to 16 devices)
+    assert (weights.bytes, weights.seconds) == pytest.approx((500_000, 5e-3), rel=EXACT)
+
+
+# --- one bucket, and the static plan ----------------------------------------------------------------------------
+
+def test_a_single_bucket_is_the_best_uniform_plan_the_cost_model_knows():
+    prof, c, budget = blocks(), cluster(8), 60e6
+    hot = plan_buckets(prof, c, [(1024, 16)], memory=budget, options=options())
+    # every uniform one-micro-batch plan of the strategy space, through CostModel.estimate: the fastest that fits
+    model = CostModel(prof, c, global_batch=16, seq_len=1024, budget_bytes=budget, options=NO_RESERVE)
+    preds = [(model.estimate(Plan(num_devices=8, layers=(s,) * 4, global_batch=16, seq_len=1024)), s)
+             for s in strategy_space(8, devices_per_node=8) if 16 % s.dp == 0]
+    best, strategy = min(((p, s) for p, s in preds if p.fits), key=lambda x: x[0].step_time_s)
+    assert hot.step_time_s == pytest.approx(best.step_time_s, rel=EXACT)
+    assert hot.static.step_time_s == pytest.approx(best.step_time_s, rel=EXACT) and hot.speedup == pytest.approx(1)
+    assert hot.switches == () and [b.strategy for b in hot.buckets] == [strategy]
+    assert hot.buckets[0].memory.total == pytest.approx(best.memory_bytes, rel=EXACT)
+    assert hot.tokens == 16 * 1024 and hot.tokens_per_s == pytest.approx(16 * 1024 / best.step_time_s, rel=EXACT)
+
+
+def test_merged_rows_pack_the_shorter_rows_into_rows_of_the_longer_bound_rounded_up():
+    assert merged_rows([(4096, 6), (16384, 2)]) == 4  # 6 · 4096 / 16384 = 1.5 → 2, plus 2
+    assert merged_rows([(256, 16), (1024, 2)]) == 6  # 16 · 256 / 1024 = 4, plus 2
+    assert merged_rows([(1000, 1), (1500, 1), (2000, 1)]) == 3  # 1000 + 1500 + 2000 = 4500 tokens: 2.25 → 3 rows
+
+
+# --- what it chooses, and why -----------------------------------------------------------------------------------
+
+def test_short_buckets_get_data_parallelism_while_the_long_ones_rows_force_tp_and_memory_checkpointing():
+    hot = plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=60e6, options=options())
+    short, long = hot.buckets
+    # long: 2 rows give dp ≤ 2, so tp ≥ 4 on 8 devices; its activations, 32768 tokens · 4 blocks · 4000 B over 8
+    # devices = 65.5 MB (whatever the layout), exceed the 60 MB budget: checkpointing
+    assert long.strategy.tp >= 4 and long.strategy.ac
+    # short: under tp=2 (dp=4, 4 rows of 1024 tokens each) its TP collectives alone take 4 per block per pass ·
+    # 2 passes · 4 blocks · ½ · 4.1 MB / 1 GB/s = 65.5 ms, more than its whole pass under dp=8 (3 · 1.1 MFLOP ·
+    # 2048 tokens · 4 blocks / 1 TFLOP/s = 27 ms, collectives hidden) plus both switches (≤ 1 MB + 4 MB: 5 ms);
+    # its activations (32.8 MB) fit beside the home's states (≤ 16 MB) and its own sharded copy without ac
+    assert (short.strategy.dp, short.strategy.tp, short.strategy.ac) == (8, 1, False)
+    assert [s.what for s in hot.switches] == ["weights", "gradients"]
+    assert hot.speedup > 1
+
+
+def test_a_bucket_away_from_home_holds_the_home_states_beside_its_own_weights_gradients_and_activations():
+    hot = plan_buckets(blocks(act=1000, n_head=2), cluster(4, 2, inter_node_bandwidth=100e9),
+                       [(256, 16), (1024, 2)], memory=30e6, options=options(allow_ac=False, zero_levels=(3,)))
+    short, long = hot.buckets
+    assert long.strategy == S(dp_shard=2, tp=2) and short.strategy == S(dp_shard=4)
+    # home dp_shard=2 tp=2, ZeRO-3: (2 + 2 + 12) B · P / 4 per block, 4 blocks = 16 MB, all step long;
+    # the short bucket's own copy under dp_shard=4: (2 + 2) B · P / 4 · 4 blocks = 4 MB;
+    # its activations: 16 rows / 4 ranks · 256 tokens · 1000 B · 4 blocks = 4.096 MB;
+    # the transient of a block's backward under ZeRO-3: gathered weights 2P + unsharded gradients 2P = 4 MB
+    assert short.memory.total == pytest.approx(16e6 + 4e6 + 4.096e6 + 4e6, rel=EXACT)
+    # the long bucket at home: 16 MB + 2 rows / 2 · 1024 tokens · 1000 B · 4 blocks / tp 2 + transient (2P + 2P)/2
+    assert long.memory.total == pytest.approx(16e6 + 2.048e6 + 2e6, rel=EXACT)
+
+
+@pytest.mark.parametrize("inter_node", [100e9, 0.1e9])
+def test_a_short_bucket_is_merged_into_the_long_one_only_when_keeping_it_apart_costs_more_than_it_saves(inter_node):
+    # 4 devices in 2 nodes, 2 heads: the long bucket's 2 rows force dp=2 × tp=2; the memory (30 MB) forces ZeRO-3
+    # at home (replicated states alone, 16 B · 4M / tp 2 = 32 MB, do not fit). Merged, the buckets are 6 rows of
+    # 1024 tokens: dp=2 × tp=2 again.
+    hot = plan_buckets(blocks(act=1000, n_head=2), cluster(4, 2, inter_node_bandwidth=inter_node),
+                       [(256, 16), (1024, 2)], memory=30e6, options=options(allow_ac=False, zero_levels=(3,)))
+    if inter_node == 100e9:
+        # Apart, the short bucket escapes TP: its collectives under tp=2 (8 rows of 256 tokens per rank) take 4 · 2
+        # passes · 4 blocks · ½ · 2.05 MB / 1 GB/s = 32.8 ms inside the nodes, while its switches to dp_shard=4 move
+        # 1/4 · 4M · 2 B + 1/4 · 4M · 4 B = 6 MB across them: 0.06 ms at 100 GB/s. dp_shard=4 is the one layout
+        # without TP that fits beside the home's 16 MB (28.1 MB, see the test above; a replicated copy adds ≥ 8 MB).
+        assert [(b.bound, b.rows, b.strategy.tp) for b in hot.buckets] == [(256, 16, 1), (1024, 2, 2)]
+        assert [s.bytes for s in hot.switches] == pytest.approx([2e6, 4e6], rel=EXACT)
+    else:
+        # At 0.1 GB/s across nodes any switch of the short bucket costs ≥ 60 ms (6 MB; the replicated layouts even
+        # more, and their gradient sync crosses nodes too), more than the 32.8 ms of TP it would save: it runs in
+        # the home layout. Apart it would then pay its own pass's ZeRO-3 gathers across nodes (2 · ½ · 1 MB / 0.1
+        # GB/s · 1.3 = 13 ms per block against 3 ms of compute: ~40 ms), while merged the 6 rows of 1024 tokens pay
+        # them once and only ~1 ms more attention (the short tokens attend over rows of 1024 instead of 256).
+        assert [(b.bound, b.rows, b.merged) for b in hot.buckets] == [(1024, 6, 2)]
+        assert hot.switches == ()
+        assert hot.step_time_s < hot.static.step_time_s  # the static plan runs the two buckets apart at home
+
+
+@pytest.mark.parametrize("budget", [40e6, 50e6, 60e6, 100e6, 1e9])
+def test_no_bucket_ever_exceeds_the_memory_budget(budget):
+    hot = plan_buckets(blocks(), cluster(8), [(1024, 16), (4096, 4), (16384, 2)], memory=budget, options=options())
+    assert all(b.memory.total <= budget for b in hot.buckets)
+    assert hot.memory_bytes <= budget and hot.budget_bytes == budget
+    assert hot.static is None or hot.static.memory_bytes <= budget
+    # the static plan is one of the plans searched (the buckets as given, every one at home)
+    assert hot.static is None or hot.step_time_s <= hot.static.step_time_s
+
+
+def test_more_than_six_buckets_are_merged_greedily_first_and_never_end_slower_than_the_static_plan():
+    given = [(128 * 2**k, 2 ** (9 - k)) for k in range(8)]  # 128 × 512 ... 16384 × 4: 65536 tokens each
+    hot = plan_buckets(blocks(), cluster(8), given, options=options())
+    assert hot.notes and "merged greedily" in hot.notes[0]
+    assert hot.tokens == 8 * 65536 and hot.step_time_s <= hot.static.step_time_s
+    assert [b.lower for b in hot.buckets] == [0] + [b.bound for b in hot.buckets[:-1]]
+    assert sum(b.merged for b in hot.buckets) == 8
+
+
+def test_a_tied_embedding_rules_out_tensor_parallelism_so_two_long_rows_cannot_split_over_8_devices():
+    buckets = [(1024, 16), (16384, 2)]
+    untied = plan_buckets(blocks(), cluster(8), buckets, options=options())
+    assert untied.buckets[-1].strategy.tp >= 4  # 2 rows: dp ≤ 2
+    # the tied weight stays unsplit by TP (the planner's rule), so every layout is dp = 8: neither the 2 long rows
+    # nor the 3 rows of both merged (16 · 1024 / 16384 = 1, plus 2) divide over 8 ranks
+    with pytest.raises(NoFeasiblePlanError,
+                       match=r"2 rows of 16384 tokens.*ruled out \(a tied embedding.*multiple of 8 rows"):
+        plan_buckets(blocks(tied=True), cluster(8), buckets, options=options())
+
+
+# --- the search is exact ----------------------------------------------------------------------------------------
+
+def _mergings(n: int):
+    """Every way to cut n buckets into runs of adjacent ones: (start, end) pairs."""
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        edges = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [n]
+        yield list(zip(edges, edges[1:]))
+
+
+def brute_force(prof, c, given, budget, opts) -> float:
+    """The least step time over every merging and every strategy per bucket, each bucket priced by
+    CostModel.estimate of its uniform plan and the step added up as the buckets module's docstring says."""
+    heads = prof.arch["n_head"]
+    space = [s for s in strategy_space(c.num_devices, devices_per_node=c.devices_per_node, allow_ac=opts.allow_ac,
+                                       zero_levels=opts.zero_levels) if heads % s.tp == 0]
+    params = sum(x.params for x in prof.layers)
+    best = math.inf
+    for runs in _mergings(len(given)):
+        buckets = [(given[b - 1][0], math.ceil(sum(x * r for x, r in given[a:b]) / given[b - 1][0])) for a, b in runs]
+        preds = []
+        for bound, rows in buckets:
+            model = CostModel(prof, c, global_batch=rows, seq_len=bound, budget_bytes=budget, options=opts.cost)
+            preds.append({s: model.estimate(Plan(num_devices=c.num_devices, layers=(s,) * len(prof.layers),
+                                                 global_batch=rows, seq_len=bound))
+                          for s in space if rows % s.dp == 0})
+        for chosen in itertools.product(space, repeat=len(buckets)):
+            home = chosen[-1]
+            if any(s not in p for s, p in zip(chosen, preds)):
+                continue
+            states = preds[-1][home].stages[0].memory
+            step = preds[-1][home].time.update
+            for k, (s, p) in enumerate(zip(chosen, preds)):
+                m, t = p[s].stages[0].memory, p[s].time
+                away = states.params + states.grads + states.optimizer + m.params + m.grads + m.activations + \
+                    m.transient + m.reserve
+                if (m.total if s == home else away) > budget:
+                    break
+                step += t.compute + t.tp_comm + t.zero3_comm
+                if k == max(i for i, x in enumerate(chosen) if x == s):  # one sync per strategy, after its last
+                    step += t.dp_comm
+            else:
+                for s in set(chosen) - {home}:
+                    step += switch_cost("weights", home, s, params=params, bytes_per_param=prof.dtype_bytes,
+                                        cluster=c).seconds
+                    step += switch_cost("gradients", s, home, params=params, bytes_per_param=4, cluster=c).seconds
+                best = min(best, step)
+    return best
+
+
+@pytest.mark.parametrize("attn, intra_node, inter_node, budget", [
+    (300, 10e9, 10e9, 20e6),    # the middle bucket alone away from home, the shortest at home
+    (3000, 10e9, 10e9, 25e6),   # the two short buckets share a strategy away from home
+    (300, 10e9, 10e9, 25e6),    # the two longer buckets merged, all at home
+    (100, 1e9, 1e9, 20e6),      # merged, checkpointing for memory
+    (3000, 100e9, 1e9, 1e9),    # one strategy for all
+    (300, 10e9, 1e9, 1e9),      # a gradient sync across nodes that the shortest bucket's backward cannot hide
+])
+def test_the_search_finds_the_step_time_of_trying_every_merging_and_every_strategy_per_bucket(
+        attn, intra_node, inter_node, budget):
+    prof = blocks(n=2, n_head=2, attn=attn)
+    c = cluster(4, 2, intra_node_bandwidth=intra_node, inter_node_bandwidth=inter_node)
+    given = [(256, 16), (512, 4), (1024, 2)]
+    hot = plan_buckets(prof, c, given, memory=budget, options=options())
+    assert hot.step_time_s == pytest.approx(brute_force(prof, c, given, budget, options()), rel=EXACT)
+    parts = sum(b.time_s for b in hot.buckets) + sum(s.seconds for s in hot.switches) + hot.update_s
+    assert hot.step_time_s == pytest.approx(parts, rel=EXACT)
+
+
+# --- how it shows itself, and its errors ------------------------------------------------------------------------
+
+def test_the_table_has_one_row_per_bucket_the_switches_the_static_plan_and_the_speedup():
+    hot = plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=60e6, options=options())
+    text = str(hot)
+    assert len(hot.table().rows) == 2
+    assert "(0, 1K]" in text and "(1K, 16K]" in text and "16,384" in text and "(home)" in text
+    assert text.count("switch ") == 2 and f"speed-up {hot.speedup:.2f}×" in text
+    assert f"static plan '{hot.static.strategy}'" in text
+    line = hot.summary()
+    assert "\n" not in line and line.startswith("hot switching: 2 buckets") and f"{hot.speedup:.2f}×" in line
+    assert hot.strategies() == {1024: hot.buckets[0].strategy, 16384: hot.buckets[1].strategy}
+    assert "<table>" in hot._repr_html_()
+
+
+@pytest.mark.parametrize("buckets, message", [
+    ([], r"no buckets: give at least one \(bound, rows\) pair"),
+    ([(16384, 2), (4096, 48)], r"bounds must increase, shortest first, but bound 16384 then 4096: sort"),
+    ([(4096, 8), (4096, 8)], r"two buckets have bound 4096 then 4096: .*add up the rows"),
+    ([(4096, 0)], r"bucket \(4096, 0\) is not \(bound, rows\) with positive whole numbers"),
+    ([(4096, 8, 1)], r"bucket \(4096, 8, 1\) is not \(bound, rows\)"),
+    (4096, r"buckets must be \(bound, rows\) pairs"),
+    ([(2**k, 1) for k in range(13)], r"13 buckets are more than the search takes \(12\); use coarser bounds"),
+])
+def test_buckets_it_cannot_read_are_refused_with_what_to_do(buckets, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        plan_buckets(blocks(), cluster(8), buckets)
+
+
+def test_when_nothing_fits_the_error_says_what_the_longest_bucket_needs_at_the_least():
+    # The leanest layout of 2 rows of 16384 tokens on 8 devices is tp=8 with checkpointing (ZeRO-3 would add its
+    # gathered weights): model states (2 + 2 + 12) B · 4M / 8 = 8 MB; kept inputs, token ids 8 B and then 3 blocks'
+    # 1000 B per token, of 32768 / 8 tokens: 32.8 KB + 12.29 MB; one block recomputed in backward, 4000 B per token:
+    # 16.38 MB. 36.70 MB = 35.00 MiB, over a budget of 5 MB (4.77 MiB).
+    with pytest.raises(NoFeasiblePlanError, match=r"fits 4.77 MiB per device on 8 × H100: the longest bucket "
+                                                 r"\(2 rows of 16384 tokens\) needs 35.00 MiB under its leanest "
+                                                 r"strategy 'tp=8 ac'; use devices with more memory"):
+        plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=5e6, options=options())
