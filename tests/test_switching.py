@@ -59,7 +59,7 @@ def reference():
     return losses, model.state_dict()
 
 
-def _worker(rank, world, port, strategies, queue):
+def _worker(rank, world, port, strategies, offload, queue):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -68,7 +68,7 @@ def _worker(rank, world, port, strategies, queue):
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        switching = HotSwitching(lambda: GPT(GPT_TINY), strategies, lr=LR)
+        switching = HotSwitching(lambda: GPT(GPT_TINY), strategies, lr=LR, offload=offload)
         records = [switching.step(step_batches(step)) for step in range(STEPS)]
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                  for k, v in switching.home.model.state_dict().items()}
@@ -100,10 +100,18 @@ def assert_trains_as_one_process(result):
 @pytest.mark.slow
 def test_switching_between_ddp_fsdp_and_tensor_parallel_on_two_processes():
     assert_trains_as_one_process(spawn_group(
-        _worker, 2, {8: "dp_replicate=2", 16: "dp_shard=2", 32: "tp=2"}))
+        _worker, 2, {8: "dp_replicate=2", 16: "dp_shard=2", 32: "tp=2"}, None))
 
 
 @pytest.mark.slow
 def test_switching_between_dp4_dp2_tp2_and_tp4_on_four_processes():
     assert_trains_as_one_process(spawn_group(
-        _worker, 4, {8: "dp_replicate=4", 16: "dp_replicate=2 tp=2", 32: "tp=4"}))
+        _worker, 4, {8: "dp_replicate=4", 16: "dp_replicate=2 tp=2", 32: "tp=4"}, None))
+
+
+@pytest.mark.slow
+def test_switching_with_the_home_update_offloaded_to_the_cpu():
+    """The home layout's update on the CPU (overlapped, landing at the next forward): the next step's switch reads
+    the new weights, not the old ones."""
+    assert_trains_as_one_process(spawn_group(
+        _worker, 2, {8: "dp_replicate=2", 16: "tp=2", 32: "dp_shard=2"}, [0.0, 0.5, 1.0, 1.0]))

@@ -35,6 +35,9 @@ Box = tuple[tuple[int, int], ...]
 def local_box(t: torch.Tensor) -> Box:
     """The part of the global tensor this rank holds: a DTensor's local shard, or all of a plain tensor."""
     if isinstance(t, DTensor):
+        if any(placement.is_partial() for placement in t.placements):
+            raise ValueError(f"a Partial DTensor ({t.placements}) holds a share of a sum on each rank, not a slice: "
+                             "redistribute it to Shard/Replicate placements (its parameter's) before moving it")
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return tuple((o, o + n) for o, n in zip(offset, shape))
     return tuple((0, n) for n in t.shape)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.strategy import Plan, Strategy
@@ -107,10 +108,13 @@ def _padded(rows: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
 class HotSwitching:
     """Train with one strategy per length bucket (module docstring). ``strategies``: bound → strategy (a
     ``Strategy`` or its text, ``"dp_shard=2"``); the largest bound's is the home. ``build()`` makes the model on
-    this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same initial weights)."""
+    this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same initial weights).
+    ``offload``: the home optimizer's CPU update offload (:class:`~nbtrain.run.offload.OffloadedAdamW`, a fraction
+    for every layer or one per layer; the home strategy then has no TP); its updates land before the next step's
+    first switch."""
 
     def __init__(self, build: Callable[[], nn.Module], strategies: Mapping[int, object], *, lr: float = 1e-3,
-                 weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0):
+                 weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0, offload=None):
         if not strategies:
             raise InvalidArgumentError("strategies is empty: give at least one bucket bound and its strategy")
         self.bounds = sorted(strategies)
@@ -121,8 +125,18 @@ class HotSwitching:
         self.strategy_of = by_bound
         self.home = self.layouts[home]
         self.clip_norm, self.steps_done = clip_norm, 0
-        groups = [{"params": ps} for ps in group_by_kind(self.home.params)]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
+        if offload is not None:
+            from nbtrain.run.offload import OffloadedAdamW
+
+            if home.tp > 1:
+                raise InvalidArgumentError(f"offload runs with data-parallel layouts; the home strategy ({home}) "
+                                           "has tensor parallelism: choose a home without tp, or offload=None")
+            self.optimizer = OffloadedAdamW.from_model(self.home.wrapped, offload, lr=lr, weight_decay=weight_decay,
+                                                       clip_norm=clip_norm)
+        else:
+            groups = [{"params": ps} for ps in group_by_kind(self.home.params)]
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
+        self.offloaded = offload is not None
         self._to = {s: ReshardPlan(self.home.params, layout.params) for s, layout in self.layouts.items()
                     if layout is not self.home}
         self._back = {s: ReshardPlan(layout.params, self.home.params) for s, layout in self.layouts.items()
@@ -142,6 +156,8 @@ class HotSwitching:
             raise InvalidArgumentError("the step has no target token (every target is -100)")
         loss = torch.zeros((), dtype=torch.float64)
         seconds, switches = {}, []
+        if self.offloaded:
+            self.optimizer.synchronize()  # the last step's CPU updates, before the weights leave home
         for strategy, layout in self.layouts.items():
             mine = [b for b in buckets if self.strategy_of[b.bound] == strategy]
             away = layout is not self.home
@@ -154,14 +170,15 @@ class HotSwitching:
                                        self._to[strategy].bytes_received))
             for i, bucket in enumerate(mine):
                 t0 = time.perf_counter()
-                with gradient_sync(layout.wrapped, i == len(mine) - 1):
+                offloaded = self.optimizer if self.offloaded and not away else None
+                with gradient_sync(layout.wrapped, i == len(mine) - 1, offloaded):
                     loss += self._forward_backward(layout, bucket, tokens)
                 seconds[bucket.bound] = time.perf_counter() - t0
             if away:
                 self._add_gradients(strategy, layout)
                 switches.append(Switch("gradients", str(strategy), self._back[strategy].seconds,
                                        self._back[strategy].bytes_received))
-        if self.clip_norm is not None:
+        if self.clip_norm is not None and not self.offloaded:  # an offloaded optimizer clips itself, exactly
             clip_grad_norm(self.home.params, self.clip_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -190,10 +207,13 @@ class HotSwitching:
         for p in self.home.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        grads = []
         for p in layout.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # a parameter no bucket used still moves its (zero) part
-        self._back[strategy].run([local_data(p.grad) for p in layout.params],
-                                 [local_data(p.grad) for p in self.home.params], add=True)
+            g = torch.zeros_like(p) if p.grad is None else p.grad  # a parameter no bucket used moves zeros
+            if isinstance(g, DTensor) and g.placements != p.placements:
+                # tensor parallel leaves some gradients Partial (each rank a share of the sum): sum them first
+                g = g.redistribute(p.device_mesh, p.placements)
+            grads.append(local_data(g))
+        self._back[strategy].run(grads, [local_data(p.grad) for p in self.home.params], add=True)
         for p in layout.params:
             p.grad = None
