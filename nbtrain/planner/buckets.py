@@ -33,7 +33,9 @@ best strategy (a dynamic program over subsets: exact). Strategies come from ``st
 degrees, tp inside a node and dividing the heads, no tp with a tied embedding) with ``rows % dp == 0``. Up to 6
 buckets every merging is tried; beyond (up to 12), adjacent buckets are first merged greedily, the fastest merge
 first, until 6 remain, and the buckets as given are tried too. The *static plan* is the best single strategy for
-every bucket as given (no merging, no switch); it is one of the plans searched, so hot switching is never slower.
+every bucket (no switch), with the better of two packings: the buckets as given, or every document in rows of the
+longest bound (one bucket, as a static system packs); both are among the plans searched, so hot switching is never
+slower.
 """
 
 from __future__ import annotations
@@ -102,13 +104,17 @@ class Bucket:
 
 @dataclass(frozen=True)
 class StaticPlan:
-    """The best single strategy for every bucket as given, under the same memory budget."""
+    """The best single strategy under the same memory budget, with the better of two packings: the buckets as given,
+    or every document packed into rows of the longest bound (one bucket: what a static system such as Megatron-LM
+    does, paying attention over whole rows)."""
 
     strategy: Strategy
     step_time_s: float
     """Σ bucket passes, one gradient sync, the update."""
     memory_bytes: float
     """Its largest bucket's memory per device."""
+    bounds: tuple[int, ...] = ()
+    """The row lengths it packs into: the buckets' bounds, or only the longest."""
 
 
 @dataclass(frozen=True)
@@ -298,11 +304,14 @@ def _plan(costs: BucketCosts, given, found, grouping, merged, notes) -> BucketPl
     switches = tuple(x for j in order for x in costs.switches[space[home], space[j]])
     update = float(costs.update[home])
     step = sum(b.time_s for b in buckets) + sum(s.seconds for s in switches) + update
-    alone = static(costs, [costs.bucket(bound, rows) for bound, rows in given])
-    if alone is not None:
-        seconds, j = alone
-        need = max(float(costs.home_memory(costs.bucket(bound, rows))[j]) for bound, rows in given)
-        alone = StaticPlan(space[j], seconds, need)
+    alone = None
+    one_bucket = [(given[-1][0], merged_rows(given))]
+    for packing in (given, one_bucket) if len(given) > 1 else (given,):
+        found_static = static(costs, [costs.bucket(bound, rows) for bound, rows in packing])
+        if found_static is not None and (alone is None or found_static[0] < alone.step_time_s):
+            seconds, j = found_static
+            need = max(float(costs.home_memory(costs.bucket(bound, rows))[j]) for bound, rows in packing)
+            alone = StaticPlan(space[j], seconds, need, tuple(bound for bound, _ in packing))
     return BucketPlan(costs.profile.model, costs.cluster.num_devices, tuple(buckets), switches, update, step,
                       sum(bound * rows for bound, rows in given), costs.budget, alone, notes)
 
