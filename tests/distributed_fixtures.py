@@ -79,14 +79,32 @@ def reference_losses(build, clip_norm: float | None = None) -> list[float]:
     return losses
 
 
-def _worker(rank, world, port, build, plans, clip_norm, queue):
+@contextlib.contextmanager
+def gloo_worker(rank: int, world: int, port: int, queue):
+    """The life of a spawned worker: one intra-op thread, the gloo group formed, and ``report(payload)`` to answer
+    (``(rank, "ok", payload)`` on the queue, then a barrier so no rank leaves while a peer still talks); an
+    exception in the body goes on the queue as ``(rank, "error", traceback)`` instead; the group is destroyed."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    def report(payload) -> None:
+        queue.put((rank, "ok", payload))
+        dist.barrier()
+
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        yield report
+    except Exception:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker(rank, world, port, build, plans, clip_norm, queue):
+    with gloo_worker(rank, world, port, queue) as report:
         from nbtrain.run.mesh import PlanMeshes
         from nbtrain.run.parallelize import layer_modules, parallelize
-
         from nbtrain.run.trainer import Trainer
 
         results = {}
@@ -100,13 +118,7 @@ def _worker(rank, world, port, build, plans, clip_norm, queue):
             trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=1e-2),
                               clip_norm=clip_norm)
             results[text] = [trainer.step(ids, targets).loss for ids, targets in batches()]
-        queue.put((rank, "ok", results))
-        dist.barrier()
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        report(results)
 
 
 def spawn_group(worker, world: int, *args, timeout: float = 300):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import threading
 import traceback
 
@@ -21,7 +20,7 @@ from nbtrain.notebook.plots import timeline_plot
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.offload import OffloadedAdamW
 from nbtrain.run.offload_split import balanced_offload, cut_layer, step_period
-from tests.distributed_fixtures import BATCH, GPT_TINY, batches, spawn_group
+from tests.distributed_fixtures import BATCH, GPT_TINY, batches, gloo_worker, spawn_group
 
 STEPS = 6
 LR = 1e-2
@@ -394,15 +393,12 @@ def _sharded_gpt():
 
 
 def _data_parallel_worker(rank, world, port, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    with gloo_worker(rank, world, port, queue) as report:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
 
-    # small buckets: several all-reduces per backward, each handing its layers over as it completes
-    wrappers = {"ddp": lambda: DistributedDataParallel(GPT(GPT_TINY), bucket_cap_mb=0.02), "fsdp": _sharded_gpt}
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # small buckets: several all-reduces per backward, each handing its layers over as it completes
+        wrappers = {"ddp": lambda: DistributedDataParallel(GPT(GPT_TINY), bucket_cap_mb=0.02), "fsdp": _sharded_gpt}
         results = {}
         for (wrapper, build), (name, kwargs) in ((w, c) for w in wrappers.items() for c in CASES.items()):
             torch.manual_seed(0)
@@ -424,13 +420,7 @@ def _data_parallel_worker(rank, world, port, queue):
             torch.save(state, weights)
             results[wrapper, name] = (losses, weights.getvalue(), opt.last_overlapped, opt.rollbacks)
             opt.close()
-        queue.put((rank, "ok", results if rank == 0 else None))
-        dist.barrier()
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        report(results if rank == 0 else None)
 
 
 @pytest.mark.slow

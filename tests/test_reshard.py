@@ -9,14 +9,11 @@ equal the source model's, and a rank receives nothing it held already.
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
 import torch
 
 from nbtrain.models import GPT
-from tests.distributed_fixtures import GPT_TINY, spawn_group
+from tests.distributed_fixtures import GPT_TINY, gloo_worker, spawn_group
 
 LAYOUTS_2 = ["dp_replicate=2", "dp_shard=2", "tp=2"]
 LAYOUTS_4 = ["dp_replicate=4", "dp_replicate=2 tp=2", "tp=4", "dp_shard=2 tp=2"]
@@ -27,17 +24,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank, world, port, layouts, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
+    with gloo_worker(rank, world, port, queue) as report:
+        import torch.distributed as dist
 
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.mesh import PlanMeshes
-    from nbtrain.run.parallelize import parallelize
-    from nbtrain.run.reshard import ReshardPlan, local_data
+        from nbtrain.planner.strategy import Plan
+        from nbtrain.run.mesh import PlanMeshes
+        from nbtrain.run.parallelize import parallelize
+        from nbtrain.run.reshard import ReshardPlan, local_data
 
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
         models = {}
         for i, layout in enumerate(layouts):
             torch.manual_seed(i)  # different weights in each layout: a copy that did not happen shows
@@ -60,13 +54,7 @@ def _worker(rank, world, port, layouts, queue):
                 local_data(p.detach()).normal_()
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
-        queue.put((rank, "ok", gathered))
-        dist.barrier()
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        report(gathered)
 
 
 def check(results_by_rank, layouts):

@@ -9,8 +9,6 @@ process, one model, plain ``torch.optim.AdamW``, the token-level mean cross-entr
 from __future__ import annotations
 
 import io
-import os
-import traceback
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from nbtrain.models import GPT
-from tests.distributed_fixtures import GPT_TINY, spawn_group
+from tests.distributed_fixtures import GPT_TINY, gloo_worker, spawn_group
 
 STEPS, LR = 4, 1e-2
 ROWS = {8: 6, 16: 4, 32: 2}  # rows per bucket: 6 rows do not split into 4 data-parallel slices (padded)
@@ -60,27 +58,16 @@ def reference():
 
 
 def _worker(rank, world, port, strategies, offload, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
+    with gloo_worker(rank, world, port, queue) as report:
+        from nbtrain.run.switching import HotSwitching
 
-    from nbtrain.run.switching import HotSwitching
-
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
         switching = HotSwitching(lambda: GPT(GPT_TINY), strategies, lr=LR, offload=offload)
         records = [switching.step(step_batches(step)) for step in range(STEPS)]
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                  for k, v in switching.home.model.state_dict().items()}
         weights = io.BytesIO()
         torch.save(state, weights)
-        queue.put((rank, "ok", ([r.loss for r in records], weights.getvalue(), records[-1])))
-        dist.barrier()
-    except Exception:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        report(([r.loss for r in records], weights.getvalue(), records[-1]))
 
 
 def assert_trains_as_one_process(result):
