@@ -102,3 +102,26 @@ def test_switching_with_the_home_update_offloaded_to_the_cpu():
     the new weights, not the old ones."""
     assert_trains_as_one_process(spawn_group(
         _worker, 2, {8: "dp_replicate=2", 16: "tp=2", 32: "dp_shard=2"}, [0.0, 0.5, 1.0, 1.0]))
+
+
+def _checkpointing_worker(rank, world, port, queue):
+    with gloo_worker(rank, world, port, queue) as report:
+        from nbtrain.run.switching import HotSwitching
+
+        switching = HotSwitching(lambda: GPT(GPT_TINY), {8: "dp_shard=2", 16: "dp_shard=2 ac", 32: "tp=2"}, lr=LR)
+        shared = switching.layouts[next(k for k in switching.layouts if k.tp == 1)]
+        calls = []
+        shared.model.blocks[0].attn.register_forward_hook(lambda *_: calls.append(1))
+        records = [switching.step(step_batches(step)) for step in range(STEPS)]
+        report(([r.loss for r in records], len(switching.layouts), [s.what for s in records[-1].switches],
+                len(calls)))
+
+
+@pytest.mark.slow
+def test_strategies_differing_only_in_checkpointing_share_one_layout_and_switch_it_per_bucket():
+    losses, layouts, switches, calls = spawn_group(_checkpointing_worker, 2)
+    assert losses == pytest.approx(reference()[0], rel=1e-4)
+    assert layouts == 2 and switches == ["weights", "gradients"]  # one layout away from home, switched once
+    # per step, block 0's attention runs once for the 8-token bucket and twice for the 16-token one (forward, then
+    # recomputed in backward): checkpointing was on for the one bucket only
+    assert calls == STEPS * 3

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -149,6 +149,20 @@ def add_fsdp_root(root: nn.Module, model: nn.Module, plan: Plan, meshes: PlanMes
                  for parent, attr in layers[i] for p in slot_module(parent, attr).parameters()}
     fully_shard(root, mesh=meshes.for_strategy(sharded[0])["dp_replicate", "dp_shard"],
                 mp_policy=mixed_precision or MixedPrecisionPolicy(), ignored_params=unsharded)
+
+
+def set_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Turn on or off the activation checkpointing ``parallelize`` wrapped layers in (hot switching runs the buckets
+    of one layout with and without it). Off, each wrapper calls its module directly, saving its activations."""
+    for module in model.modules():
+        if isinstance(module, CheckpointWrapper):
+            if not hasattr(module, "_nbtrain_checkpoint_fn"):
+                module._nbtrain_checkpoint_fn = module.checkpoint_fn
+            module.checkpoint_fn = module._nbtrain_checkpoint_fn if enabled else _call
+
+
+def _call(module: nn.Module, *args, **kwargs):
+    return module(*args, **kwargs)
 
 
 def is_plain_data_parallel(plan: Plan) -> bool:

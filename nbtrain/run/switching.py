@@ -20,12 +20,15 @@ then the home strategy's buckets (its gradient sync adds their gradients to what
 ``.grad`` plus the new local gradient, and what the switches put there is already the same on every replica), one
 clipping and one optimizer step in the home layout. The loss is the token-level mean over the whole step: each rank
 backpropagates ``Σ cross-entropy of its rows × dp / tokens of the step`` (DDP and FSDP2 divide by dp), so the
-gradients are those of one process over all the buckets. Each strategy's model is resident all the time (weights
-and gradients of every layout: more memory than HotSPa, which frees a layout's copy when it leaves it).
+gradients are those of one process over all the buckets. Strategies that differ only in checkpointing share one
+layout (one model, no switch): checkpointing is turned on and off per bucket (``set_checkpointing``). Each layout's
+model is resident all the time (weights and gradients of every layout: more memory than HotSPa, which frees a
+layout's copy when it leaves it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.run.mesh import PlanMeshes
-from nbtrain.run.parallelize import layer_modules, parallelize
+from nbtrain.run.parallelize import layer_modules, parallelize, set_checkpointing
 from nbtrain.run.reshard import ReshardPlan, local_data
 from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
 
@@ -119,10 +122,15 @@ class HotSwitching:
             raise InvalidArgumentError("strategies is empty: give at least one bucket bound and its strategy")
         self.bounds = sorted(strategies)
         by_bound = {b: _strategy(strategies[b]) for b in self.bounds}
-        home = by_bound[self.bounds[-1]]
-        order = list(dict.fromkeys(by_bound[b] for b in self.bounds if by_bound[b] != home)) + [home]
-        self.layouts = {s: _Layout(build, s, seed) for s in order}  # the same order on every rank: collective
-        self.strategy_of = by_bound
+        # strategies that differ only in checkpointing share one layout (one model, no switch between them); it is
+        # built with checkpointing where any of them has it, turned on and off per bucket
+        layout_of = {b: dataclasses.replace(s, ac=False) for b, s in by_bound.items()}
+        home = layout_of[self.bounds[-1]]
+        order = list(dict.fromkeys(layout_of[b] for b in self.bounds if layout_of[b] != home)) + [home]
+        checkpointed = {key: any(s.ac for b, s in by_bound.items() if layout_of[b] == key) for key in order}
+        # the same order on every rank: building a layout is collective
+        self.layouts = {key: _Layout(build, dataclasses.replace(key, ac=checkpointed[key]), seed) for key in order}
+        self.strategy_of, self.layout_of = by_bound, layout_of
         self.home = self.layouts[home]
         self.clip_norm, self.steps_done = clip_norm, 0
         if offload is not None:
@@ -159,7 +167,7 @@ class HotSwitching:
         if self.offloaded:
             self.optimizer.synchronize()  # the last step's CPU updates, before the weights leave home
         for strategy, layout in self.layouts.items():
-            mine = [b for b in buckets if self.strategy_of[b.bound] == strategy]
+            mine = [b for b in buckets if self.layout_of[b.bound] == strategy]
             away = layout is not self.home
             if not mine:
                 continue
@@ -171,6 +179,7 @@ class HotSwitching:
             for i, bucket in enumerate(mine):
                 t0 = time.perf_counter()
                 offloaded = self.optimizer if self.offloaded and not away else None
+                set_checkpointing(layout.model, self.strategy_of[bucket.bound].ac)
                 with gradient_sync(layout.wrapped, i == len(mine) - 1, offloaded):
                     loss += self._forward_backward(layout, bucket, tokens)
                 seconds[bucket.bound] = time.perf_counter() - t0
