@@ -8,6 +8,7 @@ leaves the kernel working (one fixture notebook per mistake, in tests/notebooks/
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -16,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"
-SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True}}
+SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True},
+         "04_dynamic_switching": {}}
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +96,28 @@ def test_the_lab_with_reference_answers_passes_every_check(tmp_path):
     nb = execute(NOTEBOOKS / "03_lab_parallelism.ipynb", tmp_path, smoke=True, reference_answers=True)
     everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
     assert "✓ right" in everything and "✗" not in everything
+
+
+def test_dynamic_switching_tutorial_plans_buckets_and_measures_both_plans(tmp_path):
+    nb = execute(NOTEBOOKS / "04_dynamic_switching.ipynb", tmp_path, smoke=True)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    everything = "\n".join(text_of(c) for c in code)
+    # part 1: the corpus, its length histogram and each bucket's share of the tokens
+    assert "tokens per document: median" in everything and "share of the tokens per bucket:" in everything
+    assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs)
+    # part 2: the plan table, one row per bucket, covering every length up to the largest bound (2K in smoke)
+    rows = re.findall(r"^\((\w+), (\w+)\]\s+\d+\s+[\d,]+\s+\S", everything, re.M)
+    assert rows and rows[0][0] == "0" and rows[-1][1] == "2K", everything
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows
+    assert "(home)" in everything and "static plan '" in everything and "predicted:" in everything
+    # part 3: both plans trained, tokens/s positive, the same training (same last loss), switches beside predicted
+    lines = re.findall(r"^(static|hot switching)\s+([\d,]+)\s+[\d.]+ ms\s+([\d.]+)\s", everything, re.M)
+    measured = {name: (float(rate.replace(",", "")), float(loss)) for name, rate, loss in lines}
+    assert set(measured) == {"static", "hot switching"}, everything
+    assert all(rate > 0 for rate, _ in measured.values())
+    assert measured["static"][1] == pytest.approx(measured["hot switching"][1], rel=1e-3)
+    assert re.search(r"measured speed-up [\d.]+×; predicted [\d.]+×", everything)
+    assert "forward + backward per bucket" in everything and "switches per step, predicted beside measured" in everything
 
 
 @pytest.mark.parametrize("fixture,message", [
