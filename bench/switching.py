@@ -116,6 +116,8 @@ def part_one():
           f"{hot.speedup:.2f}x (target >= 1.3x)")
     predicted = {(sw.what, str(sw.target if sw.what == "weights" else sw.source)): sw for sw in hot.switches}
     print("\nswitches, measured (median per step, rank 0) beside predicted:")
+    if not h["switches"]:
+        print("  none: the plan's strategies share one layout (they differ only in checkpointing)")
     for (what, strategy), (seconds, received) in sorted(h["switches"].items()):
         guess = predicted.get((what, strategy))
         beside = f"{guess.seconds * 1e3:8.2f} ms, {format_bytes(guess.bytes)}" if guess else "—"
