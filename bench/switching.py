@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import nbtrain  # noqa: E402
 from nbtrain.data import length_batches, stdlib_documents  # noqa: E402
 from nbtrain.models import GPT, GPTConfig  # noqa: E402
+from nbtrain.planner.bucket_search import padded_rows  # noqa: E402
 from nbtrain.planner.buckets import plan_buckets  # noqa: E402
 from nbtrain.planner.cost import CostModel  # noqa: E402
 from nbtrain.planner.strategy import Plan, Strategy  # noqa: E402
@@ -41,24 +42,26 @@ TOKENS_PER_STEP = 16384
 WARMUP, STEPS = 1, 4
 
 
-def bucket_rows(documents, bounds, tokens_per_step, multiple, steps=8):
-    """Mean rows per bucket per step, rounded up to a multiple of ``multiple`` (the executor pads a bucket with
-    empty rows to a multiple of its dp; the planner takes whole, even splits): the planner's input."""
+def bucket_rows(documents, bounds, tokens_per_step, steps=8):
+    """Mean rows per bucket per step, rounded up to a whole row and at least one: the planner's input (it prices
+    the empty rows the executor pads a bucket with to a multiple of its dp)."""
     rows = {b: [] for b in bounds}
     for buckets in length_batches(documents, tokens_per_step=tokens_per_step, bounds=bounds, steps=steps):
         for b in bounds:
             rows[b].append(next((r.ids.shape[0] for r in buckets if r.bound == b), 0))
-    return [(b, -(-max(1, -(-sum(v) // len(v))) // multiple) * multiple) for b, v in rows.items()]
+    return [(b, max(1, -(-sum(v) // len(v)))) for b, v in rows.items()]
 
 
 def budget_forcing_tp_or_ac(profile, cluster, bound, rows):
     """A memory budget under which the longest bucket fits only with TP or checkpointing: between the least memory
-    of those plans and the least of plain data-parallel ones (both from the cost model)."""
-    model = CostModel(profile, cluster, global_batch=rows, seq_len=bound)
+    of those plans and the least of plain data-parallel ones (both from the cost model, each at the bucket's rows
+    padded to a multiple of its dp, as the planner prices them)."""
     n = len(profile.layers)
 
     def memory(s):
-        return model.estimate(Plan(num_devices=cluster.num_devices, layers=(s,) * n, global_batch=rows)).memory_bytes
+        padded = padded_rows(rows, s.dp)
+        model = CostModel(profile, cluster, global_batch=padded, seq_len=bound)
+        return model.estimate(Plan(num_devices=cluster.num_devices, layers=(s,) * n, global_batch=padded)).memory_bytes
 
     plain = min(memory(Strategy(dp_replicate=2)), memory(Strategy(dp_shard=2)))
     helped = min(memory(s) for s in (Strategy(tp=2), Strategy(dp_replicate=2, ac=True), Strategy(dp_shard=2, ac=True)))
@@ -90,7 +93,7 @@ def train(strategies: dict, bounds: list[int], steps: int, tokens_per_step: int)
 def part_one():
     torch.set_num_threads(1)
     documents = stdlib_documents(VOCAB)
-    buckets = bucket_rows(documents, BOUNDS, TOKENS_PER_STEP, 2)
+    buckets = bucket_rows(documents, BOUNDS, TOKENS_PER_STEP)
     model = GPT(CONFIG)
     started = time.perf_counter()
     profile = nbtrain.profile(model, batch_size=1, seq_len=BOUNDS[-1], dtype="float32", measure="cpu")
@@ -128,7 +131,7 @@ def part_one():
 def part_two():
     documents = stdlib_documents(VOCAB)
     bounds = [4096, 16384, 32768]
-    buckets = bucket_rows(documents, bounds, 1 << 20, 8, steps=4)
+    buckets = bucket_rows(documents, bounds, 1 << 20, steps=4)
     profile = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
     print(f"\nLLaMA-7B, 32K context, buckets (bound, rows) of a 1M-token step of the corpus: {buckets}")
     print("HotSPa's artifact on 8 GPUs (dp, tp, pp): (8,1,1) under 4K, (2,2,2) 4K-16K, (1,4,2) 16K-32K")

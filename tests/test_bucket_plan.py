@@ -113,13 +113,29 @@ def test_a_single_bucket_is_the_best_uniform_plan_the_cost_model_knows():
     # every uniform one-micro-batch plan of the strategy space, through CostModel.estimate: the fastest that fits
     model = CostModel(prof, c, global_batch=16, seq_len=1024, budget_bytes=budget, options=NO_RESERVE)
     preds = [(model.estimate(Plan(num_devices=8, layers=(s,) * 4, global_batch=16, seq_len=1024)), s)
-             for s in strategy_space(8, devices_per_node=8) if 16 % s.dp == 0]
+             for s in strategy_space(8, devices_per_node=8)]  # 16 rows: every dp divides them, no padding
     best, strategy = min(((p, s) for p, s in preds if p.fits), key=lambda x: x[0].step_time_s)
     assert hot.step_time_s == pytest.approx(best.step_time_s, rel=EXACT)
     assert hot.static.step_time_s == pytest.approx(best.step_time_s, rel=EXACT) and hot.speedup == pytest.approx(1)
     assert hot.switches == () and [b.strategy for b in hot.buckets] == [strategy]
     assert hot.buckets[0].memory.total == pytest.approx(best.memory_bytes, rel=EXACT)
     assert hot.tokens == 16 * 1024 and hot.tokens_per_s == pytest.approx(16 * 1024 / best.step_time_s, rel=EXACT)
+
+
+def test_a_bucket_dp_does_not_divide_is_priced_at_its_padded_rows_and_can_take_data_parallelism():
+    prof, c = blocks(), cluster(2, 2)
+    hot = plan_buckets(prof, c, [(1024, 3)], options=options())
+    (bucket,) = hot.buckets
+    # 3 rows on 2 devices: under dp=2 the executor pads them to 4, and a device computes 2 whole rows, 3 · 1.1 MFLOP
+    # · 2048 tokens · 4 blocks / 1 TFLOP/s = 27 ms; under tp=2 it computes 1.5 rows (20 ms) but its TP collectives
+    # take 4 · 2 passes · 4 blocks · ½ · 3.07 MB / 1 GB/s = 49 ms
+    assert bucket.strategy.dp == 2 and bucket.strategy.tp == 1
+    # priced as 4 rows under the same strategy, through CostModel directly; its tokens are its own 3 rows
+    four = CostModel(prof, c, global_batch=4, seq_len=1024, options=NO_RESERVE).estimate(
+        Plan(num_devices=2, layers=(bucket.strategy,) * 4, global_batch=4, seq_len=1024))
+    assert hot.step_time_s == pytest.approx(four.step_time_s, rel=EXACT)
+    assert bucket.memory.total == pytest.approx(four.memory_bytes, rel=EXACT)
+    assert bucket.rows == 3 and hot.tokens == 3 * 1024
 
 
 def test_merged_rows_pack_the_shorter_rows_into_rows_of_the_longer_bound_rounded_up():
@@ -146,9 +162,14 @@ def test_short_buckets_get_data_parallelism_while_the_long_ones_rows_force_tp_an
 
 
 def test_a_bucket_away_from_home_holds_the_home_states_beside_its_own_weights_gradients_and_activations():
-    hot = plan_buckets(blocks(act=1000, n_head=2), cluster(4, 2, inter_node_bandwidth=100e9),
+    hot = plan_buckets(blocks(act=1000, n_head=2, attn=3000), cluster(4, 2, inter_node_bandwidth=100e9),
                        [(256, 16), (1024, 2)], memory=30e6, options=options(allow_ac=False, zero_levels=(3,)))
     short, long = hot.buckets
+    # attention heavy enough that the long rows want TP: under dp_shard=4 its 2 rows are padded to 4 and a device
+    # computes a whole row, 3 · (1 + 0.003 · 1024) MFLOP · 1024 tokens · 4 blocks / 1 TFLOP/s = 50 ms; under
+    # dp_shard=2 tp=2 half a row, 25 ms, plus its TP collectives 4 · 2 passes · 4 blocks · ½ · 1.02 MB / 1 GB/s
+    # = 16.4 ms: 41.4 ms. The short rows attend less: a device's 4 rows take 21.7 ms under dp_shard=4 against
+    # 10.9 ms + 32.8 ms of collectives under tp=2 (the next test), and the switch costs 0.06 ms
     assert long.strategy == S(dp_shard=2, tp=2) and short.strategy == S(dp_shard=4)
     # home dp_shard=2 tp=2, ZeRO-3: (2 + 2 + 12) B · P / 4 per block, 4 blocks = 16 MB, all step long;
     # the short bucket's own copy under dp_shard=4: (2 + 2) B · P / 4 · 4 blocks = 4 MB;
@@ -159,18 +180,23 @@ def test_a_bucket_away_from_home_holds_the_home_states_beside_its_own_weights_gr
     assert long.memory.total == pytest.approx(16e6 + 2.048e6 + 2e6, rel=EXACT)
 
 
-@pytest.mark.parametrize("inter_node", [100e9, 0.1e9])
-def test_a_short_bucket_is_merged_into_the_long_one_only_when_keeping_it_apart_costs_more_than_it_saves(inter_node):
-    # 4 devices in 2 nodes, 2 heads: the long bucket's 2 rows force dp=2 × tp=2; the memory (30 MB) forces ZeRO-3
-    # at home (replicated states alone, 16 B · 4M / tp 2 = 32 MB, do not fit). Merged, the buckets are 6 rows of
-    # 1024 tokens: dp=2 × tp=2 again.
-    hot = plan_buckets(blocks(act=1000, n_head=2), cluster(4, 2, inter_node_bandwidth=inter_node),
+@pytest.mark.parametrize("inter_node, attn", [(100e9, 3000), (0.1e9, 100)])
+def test_a_short_bucket_is_merged_into_the_long_one_only_when_keeping_it_apart_costs_more_than_it_saves(
+        inter_node, attn):
+    # 4 devices in 2 nodes, 2 heads: tp ≤ 2; the memory (30 MB) forces ZeRO-3 at home (replicated states alone,
+    # 16 B · 4M / tp 2 = 32 MB, do not fit). Merged, the buckets are 6 rows of 1024 tokens.
+    hot = plan_buckets(blocks(act=1000, n_head=2, attn=attn), cluster(4, 2, inter_node_bandwidth=inter_node),
                        [(256, 16), (1024, 2)], memory=30e6, options=options(allow_ac=False, zero_levels=(3,)))
     if inter_node == 100e9:
-        # Apart, the short bucket escapes TP: its collectives under tp=2 (8 rows of 256 tokens per rank) take 4 · 2
-        # passes · 4 blocks · ½ · 2.05 MB / 1 GB/s = 32.8 ms inside the nodes, while its switches to dp_shard=4 move
-        # 1/4 · 4M · 2 B + 1/4 · 4M · 4 B = 6 MB across them: 0.06 ms at 100 GB/s. dp_shard=4 is the one layout
-        # without TP that fits beside the home's 16 MB (28.1 MB, see the test above; a replicated copy adds ≥ 8 MB).
+        # The long bucket's rows attend enough (attn 3000) that it runs dp_shard=2 × tp=2 at home: 41.4 ms against
+        # 50 ms with its 2 rows padded to 4 under dp_shard=4 (the test above). Apart, the short bucket escapes TP:
+        # its collectives under tp=2 (8 rows of 256 tokens per rank) take 4 · 2 passes · 4 blocks · ½ · 2.05 MB /
+        # 1 GB/s = 32.8 ms inside the nodes, more than its whole pass under dp_shard=4 (21.7 ms), while its switches
+        # to dp_shard=4 move 1/4 · 4M · 2 B + 1/4 · 4M · 4 B = 6 MB across them: 0.06 ms at 100 GB/s. dp_shard=4 is
+        # the one layout without TP that fits beside the home's 16 MB (28.1 MB, see the test above; a replicated
+        # copy adds ≥ 8 MB). Apart: 41.4 + 21.7 = 63 ms. Merged, the 6 rows of 1024 tokens take ≥ 100 ms: under
+        # dp=2 × tp=2 a device computes 1.5 rows (75 ms) plus 49 ms of collectives; under dp_shard=4, 8 padded rows,
+        # 2 per device (100 ms).
         assert [(b.bound, b.rows, b.strategy.tp) for b in hot.buckets] == [(256, 16, 1), (1024, 2, 2)]
         assert [s.bytes for s in hot.switches] == pytest.approx([2e6, 4e6], rel=EXACT)
     else:
@@ -205,15 +231,26 @@ def test_more_than_six_buckets_are_merged_greedily_first_and_never_end_slower_th
     assert sum(b.merged for b in hot.buckets) == 8
 
 
-def test_a_tied_embedding_rules_out_tensor_parallelism_so_two_long_rows_cannot_split_over_8_devices():
+def test_a_tied_embedding_rules_out_tensor_parallelism_so_two_long_rows_are_padded_to_one_per_device_on_8():
     buckets = [(1024, 16), (16384, 2)]
-    untied = plan_buckets(blocks(), cluster(8), buckets, options=options())
-    assert untied.buckets[-1].strategy.tp >= 4  # 2 rows: dp ≤ 2
-    # the tied weight stays unsplit by TP (the planner's rule), so every layout is dp = 8: neither the 2 long rows
-    # nor the 3 rows of both merged (16 · 1024 / 16384 = 1, plus 2) divide over 8 ranks
-    with pytest.raises(NoFeasiblePlanError,
-                       match=r"2 rows of 16384 tokens.*ruled out \(a tied embedding.*multiple of 8 rows"):
-        plan_buckets(blocks(tied=True), cluster(8), buckets, options=options())
+    untied = plan_buckets(blocks(), cluster(8), buckets, memory=60e6, options=options())
+    # 60 MB: 32768 tokens · 4 blocks · 4000 B over 8 devices = 65.5 MB of activations, whatever the split; padded to
+    # 8 rows under dp=8 it is 4× that. Splitting each row over tp with checkpointing fits.
+    assert untied.buckets[-1].strategy.tp >= 4
+    # the tied weight stays unsplit by TP (the planner's rule), so every layout is dp = 8 and each device runs one
+    # whole row of 16384 tokens (the 2 rows padded to 8): even checkpointed it keeps the 4 blocks' inputs, 4 · 1000
+    # B per token · 16384 tokens = 65.5 MB, over 60 MB
+    with pytest.raises(NoFeasiblePlanError, match=r"2 rows of 16384 tokens\) needs .* under its leanest strategy "
+                                                  r"'dp_shard=8 .*\(tensor parallelism is ruled out: a tied embed"):
+        plan_buckets(blocks(tied=True), cluster(8), buckets, memory=60e6, options=options())
+    # with the device's memory it runs, dp = 8 for every bucket; one row per device costs the same whether 2 or 8
+    # rows came, but the tokens are the bucket's own
+    tied = [plan_buckets(blocks(tied=True), cluster(8), [(1024, 16), (16384, rows)], options=options(merge=False))
+            for rows in (2, 8)]
+    assert all(b.strategy.tp == 1 and b.strategy.dp == 8 for plan in tied for b in plan.buckets)
+    assert [b.strategy for b in tied[0].buckets] == [b.strategy for b in tied[1].buckets]
+    assert tied[0].step_time_s == pytest.approx(tied[1].step_time_s, rel=EXACT)
+    assert tied[0].buckets[-1].rows == 2 and tied[0].tokens == 16 * 1024 + 2 * 16384
 
 
 # --- the search is exact ----------------------------------------------------------------------------------------
@@ -237,10 +274,14 @@ def brute_force(prof, c, given, budget, opts) -> float:
         buckets = [(given[b - 1][0], math.ceil(sum(x * r for x, r in given[a:b]) / given[b - 1][0])) for a, b in runs]
         preds = []
         for bound, rows in buckets:
-            model = CostModel(prof, c, global_batch=rows, seq_len=bound, budget_bytes=budget, options=opts.cost)
-            preds.append({s: model.estimate(Plan(num_devices=c.num_devices, layers=(s,) * len(prof.layers),
-                                                 global_batch=rows, seq_len=bound))
-                          for s in space if rows % s.dp == 0})
+            pred = {}
+            for s in space:  # the bucket padded with empty rows to a multiple of dp, priced as full ones
+                padded = math.ceil(rows / s.dp) * s.dp
+                model = CostModel(prof, c, global_batch=padded, seq_len=bound, budget_bytes=budget,
+                                  options=opts.cost)
+                pred[s] = model.estimate(Plan(num_devices=c.num_devices, layers=(s,) * len(prof.layers),
+                                              global_batch=padded, seq_len=bound))
+            preds.append(pred)
         for chosen in itertools.product(space, repeat=len(buckets)):
             home = chosen[-1]
             if any(s not in p for s, p in zip(chosen, preds)):

@@ -44,6 +44,12 @@ from nbtrain.profiler.result import ModelProfile
 from nbtrain.units import format_bytes, format_seconds
 
 
+def padded_rows(rows: int, dp: int) -> int:
+    """Rows a bucket runs under ``dp`` data-parallel ranks: ``rows`` padded with empty ones to a multiple of ``dp``
+    (as :mod:`nbtrain.run.switching` pads them), each computed like a full row: ``padded_rows(55, 8) == 56``."""
+    return -(-rows // dp) * dp
+
+
 def held_fraction(s: Strategy) -> float:
     """The fraction of every parameter one rank holds under ``s``: ``1 / (dp_shard × tp)``."""
     return 1.0 / (s.dp_shard * s.tp)
@@ -96,10 +102,12 @@ def switch_cost(what: str, source: Strategy, target: Strategy, *, params: float,
 
 @dataclass(frozen=True)
 class BucketCost:
-    """One bucket under every strategy of the space (arrays indexed like it); passes are inf where it cannot run."""
+    """One bucket under every strategy of the space (arrays indexed like it), each priced at its rows padded with
+    empty ones to a multiple of the strategy's dp (:func:`padded_rows`)."""
 
     bound: int
     rows: int
+    """The bucket's own rows (its tokens are ``bound × rows``); the padded ones are priced, not counted."""
     passes: np.ndarray
     """Forward and backward seconds: Σ layers compute + tp_comm + zero3_comm."""
     sync: np.ndarray
@@ -152,6 +160,7 @@ class BucketCosts:
                                    for s in self.space] for h in self.space])
         """[home, strategy]: seconds of both switches per step."""
 
+    @lru_cache(maxsize=None)
     def model(self, rows: int, bound: int) -> CostModel:
         return CostModel(self.profile, self.cluster, global_batch=rows, seq_len=bound, budget_bytes=self._budget,
                          options=self.options.cost)
@@ -165,12 +174,11 @@ class BucketCosts:
 
     @lru_cache(maxsize=None)
     def bucket(self, bound: int, rows: int) -> BucketCost:
-        model = self.model(rows, bound)
         size = len(self.space)
-        passes, sync, act, transient = np.full(size, np.inf), np.zeros(size), np.zeros(size), np.zeros(size)
+        passes, sync, act, transient = np.zeros(size), np.zeros(size), np.zeros(size), np.zeros(size)
         for j, s in enumerate(self.space):
-            if rows % s.dp:  # every data-parallel rank runs whole rows, the same number
-                continue
+            # the executor pads the bucket with empty rows to a multiple of dp, and computes them: priced as full
+            model = self.model(padded_rows(rows, s.dp), bound)
             costs = [(model.layer(i, s, 1), n) for i, n in self.kinds]
             passes[j] = sum(n * (c.time.compute + c.time.tp_comm + c.time.zero3_comm) for c, n in costs)
             sync[j] = sum(n * c.time.dp_comm for c, n in costs)
@@ -200,10 +208,10 @@ def fastest(costs: BucketCosts, buckets: list[BucketCost]) -> Assignment | None:
     size = len(costs.space)
     everyone = np.arange(size)
     last = buckets[-1]
-    fits = np.isfinite(last.passes) & (costs.home_memory(last) <= costs.budget)
+    fits = costs.home_memory(last) <= costs.budget
     base = np.where(fits, last.passes + last.sync + costs.update, np.inf)  # (home,)
     others = buckets[:-1]
-    # passes[k][home, strategy]: inf where bucket k cannot run under it or does not fit beside the home's states
+    # passes[k][home, strategy]: inf where bucket k does not fit under it beside the home's states
     passes = []
     for b in others:
         fits = costs.away_memory(b) <= costs.budget

@@ -10,8 +10,11 @@
 A bucket ``(bound, rows)`` is ``rows`` rows of ``bound`` tokens per step (what packing the step's documents of that
 length gives). The longest bucket's strategy is the *home*: its layout holds the master weights and the optimizer.
 
-**Step time.** A bucket runs one forward and backward (no micro-batches) under one strategy for every layer: the
-cost model at ``global_batch=rows, seq_len=bound``, Σ over layers of ``compute + tp_comm + zero3_comm``. Buckets
+**Step time.** A bucket runs one forward and backward (no micro-batches) under one strategy for every layer. Every
+data-parallel rank runs the same number of rows, so under ``dp`` ranks the bucket is padded with empty rows to a
+multiple of ``dp``, which cost as much as full ones (they are computed, as :mod:`nbtrain.run.switching` runs them):
+the cost model at ``global_batch=ceil(rows / dp) × dp, seq_len=bound``, Σ over layers of ``compute + tp_comm +
+zero3_comm``, here and in the memory below. Its tokens are still the real ones, ``bound × rows``. Buckets
 sharing a strategy run back to back (grouped by strategy, in the order of their shortest bucket, the home last, as
 :mod:`nbtrain.run.switching` runs them) and synchronise their gradients once, in that layout, overlapped with the
 backward of the group's last (longest) bucket: the cost model's ``dp_comm`` at that bucket. Each strategy other than
@@ -30,7 +33,7 @@ for now, which needs more). Plus the cost model's reserve. Every bucket fits.
 ``ceil(tokens / bound)`` rows: the shorter rows packed into longer ones, attention then paid over whole rows) and
 each home strategy that fits the longest bucket, the other buckets are partitioned into groups, each group under its
 best strategy (a dynamic program over subsets: exact). Strategies come from ``strategy_space`` (power-of-two
-degrees, tp inside a node and dividing the heads, no tp with a tied embedding) with ``rows % dp == 0``. Up to 6
+degrees, tp inside a node and dividing the heads, no tp with a tied embedding), whatever the rows. Up to 6
 buckets every merging is tried; beyond (up to 12), adjacent buckets are first merged greedily, the fastest merge
 first, until 6 remain, and the buckets as given are tried too. The *static plan* is the best single strategy for
 every bucket (no switch), with the better of two packings: the buckets as given, or every document in rows of the
@@ -87,7 +90,8 @@ class Bucket:
     bound: int
     """Tokens per row."""
     rows: int
-    """Rows of ``bound`` tokens per step (merged buckets: the shorter rows packed, rounded up)."""
+    """Rows of ``bound`` tokens per step (merged buckets: the shorter rows packed, rounded up); the empty rows that
+    pad it to a multiple of its strategy's dp are priced in ``time_s`` and ``memory``, not counted here."""
     strategy: Strategy
     """One strategy for every layer while this bucket runs."""
     time_s: float
@@ -319,23 +323,15 @@ def _plan(costs: BucketCosts, given, found, grouping, merged, notes) -> BucketPl
 def _no_fit(costs: BucketCosts, given) -> str:
     """Why nothing fits, and what to change."""
     c = costs.cluster
-    for bound, rows in given:
-        if not any(rows % s.dp == 0 for s in costs.space):
-            dps = sorted({s.dp for s in costs.space})
-            tp = f"tensor parallelism is ruled out ({costs.no_tp})" if costs.no_tp else \
-                f"tensor parallelism stays inside a node of {c.devices_per_node} and divides the heads"
-            return (f"no strategy runs the bucket of {_rows(rows)} of {bound} tokens on {c.num_devices} devices: "
-                    f"each data-parallel rank needs the same number of whole rows, and {tp}, which leaves dp in "
-                    f"{dps}; give that bucket a multiple of {dps[0]} rows, or use fewer devices")
     bound, rows = given[-1]
-    b = costs.bucket(bound, rows)
-    need = np.where(np.isfinite(b.passes), costs.home_memory(b), np.inf)
+    need = costs.home_memory(costs.bucket(bound, rows))
     j = int(np.argmin(need))
     where = f"no bucket plan fits {format_bytes(costs.budget)} per device on {c.num_devices} × {c.device}"
     if need[j] > costs.budget:
+        why = f" (tensor parallelism is ruled out: {costs.no_tp})" if costs.no_tp else ""
         return (f"{where}: the longest bucket ({_rows(rows)} of {bound} tokens) needs {format_bytes(need[j])} "
-                f"under its leanest strategy '{costs.space[j]}'; use devices with more memory, more devices, or a "
-                "shorter longest bound")
+                f"under its leanest strategy '{costs.space[j]}'{why}; use devices with more memory, more devices, or "
+                "a shorter longest bound")
     return (f"{where}: the longest bucket fits under '{costs.space[j]}' ({format_bytes(need[j])}), but the other "
             "buckets fit neither in the home layout nor beside its model states; use devices with more memory, or "
             "fewer rows in the shorter buckets")
