@@ -68,6 +68,15 @@ class NoFeasiblePlanError(NbtrainError, RuntimeError):
     """No plan fits the memory budget; the message gives the smallest memory per device that would fit."""
 
 
+class NonFiniteLossError(NbtrainError, FloatingPointError):
+    """A training step's loss is NaN or infinite: the run stops before the optimizer takes the step."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(
+            f"step {step}: the loss is {loss}; the run stopped before updating with it. Lower the learning rate, "
+            "clip gradients (clip_norm=1.0), train in fp32 rather than bf16, or look for bad values in the data")
+
+
 class LaunchError(NbtrainError, RuntimeError):
     """Workers could not be started, or did not form the process group they were asked for (a world size other
     than ``num_processes``, a launch inside a notebook that already created an ``Accelerator``, ...)."""

@@ -155,3 +155,31 @@ def test_offload_with_tensor_parallelism_is_refused_before_anything_is_launched(
     with pytest.raises(InvalidPlanError, match="offload=1; the executor runs the CPU update offload with data "
                                                "parallelism"):
         nbtrain.fit(model, tiny_batches(256), plan="tp=2 offload=1", steps=1, num_processes=2)
+
+
+def nan_from_step_two():
+    """The language-model loss, NaN from its second call on (one call per step: one micro-batch)."""
+    from nbtrain.profiler.model import lm_loss
+
+    calls = []
+
+    def loss_fn(logits, targets):
+        calls.append(1)
+        loss = lm_loss(logits, targets)
+        return loss * float("nan") if len(calls) >= 2 else loss
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_non_finite_loss_stops_the_run_before_the_update_and_names_the_step(processes):
+    from nbtrain.errors import NbtrainError
+
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    with pytest.raises(NbtrainError, match="step 2: the loss is nan; the run stopped before updating with it"):
+        nbtrain.fit(model, tiny_batches(512), plan=f"dp_replicate={processes}", steps=4, num_processes=processes,
+                    loss_fn=nan_from_step_two(), progress=False, timeout=120)
+    # the NaN step was never applied: in one process the model holds step 1's weights, with two the workers' copies
+    # were dropped and it holds its own
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from nbtrain.errors import InvalidArgumentError
+from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.mesh import PlanMeshes, device_type
@@ -158,6 +158,11 @@ class Trainer:
             total = self._accumulate(ids, targets)
             per_stage = dist.get_world_size()
         pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
+        dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
+        loss = float(total) / per_stage
+        if not math.isfinite(loss):  # the same value on every rank: all stop, before the update
+            # (an offloaded optimizer's CPU updates may have started during backward; the run stops all the same)
+            raise NonFiniteLossError(self.steps_done + 1, loss)
         if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload.py)
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm if self.clip_norm else None
@@ -168,11 +173,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
         seconds = time.perf_counter() - started
         self.steps_done += 1
-        return StepRecord(self.steps_done, float(total) / per_stage, seconds, tokens / seconds, _peak_memory(),
-                          norm)
+        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), norm)
 
     def _gradient_sync(self, enabled: bool):
         return gradient_sync(self.model, enabled, self.optimizer if self.offloaded else None)
