@@ -183,3 +183,35 @@ def test_a_non_finite_loss_stops_the_run_before_the_update_and_names_the_step(pr
     # the NaN step was never applied: in one process the model holds step 1's weights, with two the workers' copies
     # were dropped and it holds its own
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+def nan_at_step_two_only():
+    """The language-model loss, NaN at its second call only."""
+    from nbtrain.profiler.model import lm_loss
+
+    calls = []
+
+    def loss_fn(logits, targets):
+        calls.append(1)
+        loss = lm_loss(logits, targets)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    return loss_fn
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_can_be_skipped_and_training_goes_on_as_if_it_had_not_been_there():
+    # Skipping step 2 (no update) leaves the weights after step 1, so step 3 sees what step 2 would have seen
+    # without the NaN: its loss equals step 2's loss in a run on batches 1, 3 (same batch at both).
+    data = tiny_batches(512, n=1) * 4  # the same batch every step: only the weights change the loss
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    skipped = nbtrain.fit(model, data, plan="dp_replicate=2", steps=3, num_processes=2, lr=1e-2, progress=False,
+                          loss_fn=nan_at_step_two_only(), on_nonfinite="skip", timeout=120)
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    clean = nbtrain.fit(model, data, plan="dp_replicate=2", steps=2, num_processes=2, lr=1e-2, progress=False,
+                        timeout=120)
+    assert [r.skipped for r in skipped.records] == [False, True, False]
+    assert skipped.losses[0] == pytest.approx(clean.losses[0], rel=1e-6)
+    assert skipped.losses[2] == pytest.approx(clean.losses[1], rel=1e-5)

@@ -111,6 +111,7 @@ class _Run:
     precision: str
     lr_schedule: Callable[[int], float] | None
     save_dir: str | None
+    on_nonfinite: str = "stop"
 
 
 def _worker(model, plan: Plan, get_batch, run: _Run):
@@ -135,7 +136,7 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
         # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
         optimizer = torch.optim.AdamW(_by_mesh(model), lr=run.lr, fused=True)
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
-                      lr_schedule=run.lr_schedule, precision=run.precision)
+                      lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
     rank0 = dist.get_rank() == 0
     bar = _progress(run.steps) if run.progress and rank0 else None
     records = []
@@ -177,7 +178,7 @@ def _progress(steps: int):
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
         loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
-        save_dir=None, timeout: float | None = None) -> FitResult:
+        save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop") -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -186,7 +187,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     (``LambdaLR``). ``save_dir`` saves the trained weights there with ``torch.distributed.checkpoint`` (each rank
     its shards; for models too large to gather in one process) instead of loading them back; read them with
     :func:`nbtrain.run.weights.load_saved`. ``timeout`` (seconds) bounds the whole run and every collective: past
-    it the workers are killed and :class:`LaunchTimeoutError` is raised."""
+    it the workers are killed and :class:`LaunchTimeoutError` is raised. A step whose loss is NaN or infinite stops
+    the run before its update (:class:`~nbtrain.errors.NonFiniteLossError`), or with ``on_nonfinite="skip"`` is
+    skipped (no update, nor a step of ``lr_schedule``; its record says ``skipped``)."""
     from nbtrain.run.launch import launch
     from nbtrain.run.parallelize import check_plan, layer_modules
 
@@ -214,8 +217,10 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
+    if on_nonfinite not in ("stop", "skip"):
+        raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
-               None if save_dir is None else str(Path(save_dir).resolve()))
+               None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite)
     records, state, trace = launch(_worker, model, plan, get_batch, run, num_processes=num_processes,
                                    timeout=timeout)
     if state is not None:

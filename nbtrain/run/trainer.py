@@ -44,6 +44,8 @@ class StepRecord:
     """Peak allocated device memory (CUDA), or this process's peak resident memory on the CPU."""
     grad_norm: float | None = None
     """Total gradient norm before clipping, when clipping is on."""
+    skipped: bool = False
+    """The loss was not finite and the update was skipped (``on_nonfinite="skip"``)."""
 
 
 def clip_grad_norm(parameters, max_norm: float, pipeline_group=None) -> float:
@@ -103,9 +105,13 @@ class Trainer:
 
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, optimizer: torch.optim.Optimizer, *,
                  loss_fn: Callable = lm_loss, clip_norm: float | None = None,
-                 lr_schedule: Callable[[int], float] | None = None, precision: str = "fp32"):
+                 lr_schedule: Callable[[int], float] | None = None, precision: str = "fp32",
+                 on_nonfinite: str = "stop"):
         if precision not in ("fp32", "bf16"):
             raise InvalidArgumentError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        if on_nonfinite not in ("stop", "skip"):
+            raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
         self.model, self.plan, self.meshes, self.optimizer = model, plan, meshes, optimizer
         self.loss_fn, self.clip_norm = loss_fn, clip_norm
         # bf16: compute in bf16 under autocast, weights and optimizer state stay fp32 (the master copy), and FSDP2
@@ -116,6 +122,9 @@ class Trainer:
         from nbtrain.run.offload import OffloadedAdamW
 
         self.offloaded = isinstance(optimizer, OffloadedAdamW)
+        if self.offloaded and on_nonfinite == "skip":
+            raise InvalidArgumentError("on_nonfinite='skip' cannot undo the CPU updates an offloaded optimizer starts "
+                                       "during backward; use on_nonfinite='stop' with offload, or plan without it")
         if self.offloaded and optimizer.clip_norm != clip_norm:
             raise InvalidArgumentError(f"the offloaded optimizer clips at {optimizer.clip_norm} but the Trainer was "
                                        f"given clip_norm={clip_norm}; build it with OffloadedAdamW(..., "
@@ -160,9 +169,14 @@ class Trainer:
         pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
         dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
         loss = float(total) / per_stage
-        if not math.isfinite(loss):  # the same value on every rank: all stop, before the update
+        if not math.isfinite(loss):  # the same value on every rank: all stop (or skip) before the update
             # (an offloaded optimizer's CPU updates may have started during backward; the run stops all the same)
-            raise NonFiniteLossError(self.steps_done + 1, loss)
+            if self.on_nonfinite == "stop":
+                raise NonFiniteLossError(self.steps_done + 1, loss)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps_done += 1
+            seconds = time.perf_counter() - started
+            return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), None, skipped=True)
         if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload.py)
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm if self.clip_norm else None
