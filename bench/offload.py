@@ -99,16 +99,11 @@ def fsdp2_cpu_offload(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
-@contextlib.contextmanager
-def plain_optimizer(opt):
-    yield opt
-
-
 def run(model, ids, offload, schedule, steps, land_at="forward"):
     """Median step time and the medians of forward, backward (s), and the traces of the measured steps.
     ``offload`` None: ``model`` is under FSDP2's CPUOffloadPolicy, with its own optimizer ``schedule``."""
     total, forward, backward, traces = [], [], [], []
-    opt = plain_optimizer(schedule) if offload is None else OffloadedAdamW.from_model(
+    opt = contextlib.nullcontext(schedule) if offload is None else OffloadedAdamW.from_model(
         model, offload, lr=1e-4, schedule=schedule, land_at=land_at)
     with opt as opt:
         for _ in range(WARMUP + steps):

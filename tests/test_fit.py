@@ -157,8 +157,8 @@ def test_offload_with_tensor_parallelism_is_refused_before_anything_is_launched(
         nbtrain.fit(model, tiny_batches(256), plan="tp=2 offload=1", steps=1, num_processes=2)
 
 
-def nan_from_step_two():
-    """The language-model loss, NaN from its second call on (one call per step: one micro-batch)."""
+def nan_at(steps):
+    """The language-model loss, NaN at the calls numbered in ``steps`` (one call per step: one micro-batch)."""
     from nbtrain.profiler.model import lm_loss
 
     calls = []
@@ -166,7 +166,7 @@ def nan_from_step_two():
     def loss_fn(logits, targets):
         calls.append(1)
         loss = lm_loss(logits, targets)
-        return loss * float("nan") if len(calls) >= 2 else loss
+        return loss * float("nan") if len(calls) in steps else loss
 
     return loss_fn
 
@@ -179,24 +179,10 @@ def test_a_non_finite_loss_stops_the_run_before_the_update_and_names_the_step(pr
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     with pytest.raises(NbtrainError, match="step 2: the loss is nan; the run stopped before updating with it"):
         nbtrain.fit(model, tiny_batches(512), plan=f"dp_replicate={processes}", steps=4, num_processes=processes,
-                    loss_fn=nan_from_step_two(), progress=False, timeout=120)
+                    loss_fn=nan_at(range(2, 5)), progress=False, timeout=120)
     # the NaN step was never applied: in one process the model holds step 1's weights, with two the workers' copies
     # were dropped and it holds its own
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
-
-
-def nan_at_step_two_only():
-    """The language-model loss, NaN at its second call only."""
-    from nbtrain.profiler.model import lm_loss
-
-    calls = []
-
-    def loss_fn(logits, targets):
-        calls.append(1)
-        loss = lm_loss(logits, targets)
-        return loss * float("nan") if len(calls) == 2 else loss
-
-    return loss_fn
 
 
 @pytest.mark.slow
@@ -207,7 +193,7 @@ def test_a_non_finite_step_can_be_skipped_and_training_goes_on_as_if_it_had_not_
     torch.manual_seed(0)
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     skipped = nbtrain.fit(model, data, plan="dp_replicate=2", steps=3, num_processes=2, lr=1e-2, progress=False,
-                          loss_fn=nan_at_step_two_only(), on_nonfinite="skip", timeout=120)
+                          loss_fn=nan_at({2}), on_nonfinite="skip", timeout=120)
     torch.manual_seed(0)
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     clean = nbtrain.fit(model, data, plan="dp_replicate=2", steps=2, num_processes=2, lr=1e-2, progress=False,

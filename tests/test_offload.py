@@ -37,12 +37,9 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
-def reference(clip_norm=None, steps=STEPS, schedule=None):
-    """Losses and final weights of plain AdamW (clip_grad_norm_ first when ``clip_norm``)."""
-    torch.manual_seed(0)
-    model = GPT(GPT_TINY)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
+def train(model, opt, steps=STEPS, scheduler=None, clip_norm=None) -> list[float]:
+    """Losses of the usual loop: forward, backward, ``clip_grad_norm_`` (when ``clip_norm``), step, zero_grad, and
+    the scheduler's step."""
     losses = []
     for ids, targets in batches(steps):
         loss = lm_loss(model(ids), targets)
@@ -54,7 +51,16 @@ def reference(clip_norm=None, steps=STEPS, schedule=None):
         if scheduler:
             scheduler.step()
         losses.append(loss.item())
-    return losses, model
+    return losses
+
+
+def reference(clip_norm=None, steps=STEPS, schedule=None):
+    """Losses and final weights of plain AdamW (clip_grad_norm_ first when ``clip_norm``)."""
+    torch.manual_seed(0)
+    model = GPT(GPT_TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
+    return train(model, opt, steps, scheduler, clip_norm), model
 
 
 def offloaded(offload, steps=STEPS, lr_schedule=None, model=None, **kwargs):
@@ -62,17 +68,9 @@ def offloaded(offload, steps=STEPS, lr_schedule=None, model=None, **kwargs):
     if model is None:
         torch.manual_seed(0)
         model = GPT(GPT_TINY)
-    with OffloadedAdamW.from_model(model, offload, lr=LR, **kwargs) as opt:
+    with OffloadedAdamW.from_model(model, offload, lr=LR, **kwargs) as opt:  # it clips itself, when asked
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule) if lr_schedule else None
-        losses = []
-        for ids, targets in batches(steps):
-            loss = lm_loss(model(ids), targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if scheduler:
-                scheduler.step()
-            losses.append(loss.item())
+        losses = train(model, opt, steps, scheduler)
     return losses, model, opt
 
 
@@ -122,14 +120,7 @@ def test_half_offload_cuts_each_layer_in_two_halves_by_parameter_count():
 def test_no_offload_is_exactly_fused_adamw():
     torch.manual_seed(0)
     model = GPT(GPT_TINY)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    want = []
-    for ids, targets in batches(STEPS):
-        loss = lm_loss(model(ids), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = train(model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True))
     for offload in (0.0, 1.0, SPLIT):  # the CPU runs the same kernel on fp32 masters: bit for bit
         losses, got, _ = offloaded(offload)
         assert losses == want

@@ -28,9 +28,9 @@ def _worker(rank, world, port, layouts, queue):
         import torch.distributed as dist
 
         from nbtrain.planner.strategy import Plan
-        from nbtrain.run.mesh import PlanMeshes
+        from nbtrain.run.mesh import PlanMeshes, local_shard
         from nbtrain.run.parallelize import parallelize
-        from nbtrain.run.reshard import ReshardPlan, local_data
+        from nbtrain.run.reshard import ReshardPlan
 
         models = {}
         for i, layout in enumerate(layouts):
@@ -44,14 +44,14 @@ def _worker(rank, world, port, layouts, queue):
             src, dst = list(models[a].parameters()), list(models[b].parameters())
             want = [full(p.detach()).clone() for p in src]
             plan = ReshardPlan(src, dst)
-            plan.run([local_data(p.detach()) for p in src], [local_data(p.detach()) for p in dst])
+            plan.run([local_shard(p.detach()) for p in src], [local_shard(p.detach()) for p in dst])
             got = [full(p.detach()) for p in dst]
             same = all(torch.equal(x, y) for x, y in zip(got, want))
-            total = sum(local_data(p).numel() for p in dst)
+            total = sum(local_shard(p).numel() for p in dst)
             results[a, b] = (same, plan.elements_received, total)
             torch.manual_seed(99)  # scramble the destination again for the next pair
             for p in dst:
-                local_data(p.detach()).normal_()
+                local_shard(p.detach()).normal_()
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
         report(gathered)

@@ -16,11 +16,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.strategy import Plan, Strategy
 
 AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``t``: a DTensor's local shard (a view: writing it writes the DTensor), or all of a
+    plain tensor. The CPU update offload and the hot-switching re-layout both work on these."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def device_type() -> str:

@@ -28,8 +28,10 @@ copies a GPU's weights back) just before its forward. The CPU's queue runs on un
 layers, which is why the split keeps those on the device (CoTrain's data-reuse distance). ``model.state_dict()``,
 ``state_dict()``, ``close()`` and :meth:`synchronize` wait for every update; read parameters directly only after
 one of them. Without ``land_before``, ``step()`` waits for the worker: when it returns, the model holds exactly the
-new weights. A worker's exception is raised where its update lands. Offload 0 everywhere is plain fused AdamW. Data parallel under DDP: :mod:`nbtrain.run.offload_ddp`. Under FSDP2 (``dp_shard``, and
-its hybrid ``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:
+new weights. A worker's exception is raised where its update lands. Offload 0 everywhere is plain fused AdamW.
+
+Data parallel under DDP: :mod:`nbtrain.run.offload_ddp`. Under FSDP2 (``dp_shard``, and its hybrid
+``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:
 FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its reduce-scatter (and, hybrid, all-reduce) has
 produced the averaged gradient shard, so each rank hands over and updates its own shard, as it would in ZeRO-Offload.
 
@@ -69,8 +71,9 @@ import torch
 from torch import nn
 
 from nbtrain.errors import InvalidArgumentError
+from nbtrain.run.mesh import local_shard
 from nbtrain.run.offload_ddp import attach_ddp
-from nbtrain.run.offload_split import cut_layer, local
+from nbtrain.run.offload_split import cut_layer
 from nbtrain.run.offload_state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
                                        load_state, save_state, shard_groups)
 
@@ -193,8 +196,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _grad_arrived(self, index: int, grad: torch.Tensor, submit: bool = True) -> None:
         """``grad`` is the parameter's final gradient of this step (averaged over data-parallel ranks): copy it to
         the host; once all of the layer's offloaded gradients are in, queue its update (``"overlap"``)."""
-        if self._layers[self._layer_of[index]] in self._pending:  # no forward reached it (hooks on other modules)
-            self._land(self._layers[self._layer_of[index]])
+        layer = self._layers[self._layer_of[index]]
+        if layer in self._pending:  # no forward reached it (hooks on other modules)
+            self._land(layer)
         for pc in self._cpu_pieces_of[index]:
             g = pc.view(grad)
             if g.is_cuda:  # the transfer, into pinned memory, asynchronous: the worker waits for layer.event
@@ -206,7 +210,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self.clip_norm is not None:
                 pc.norm = torch.linalg.vector_norm(g)
                 pc.norm_host = pc.norm.to("cpu", non_blocking=True) if g.is_cuda else pc.norm
-        layer = self._layers[self._layer_of[index]]
         with self._lock:
             if index in layer.arrived:
                 raise InvalidArgumentError(
@@ -321,7 +324,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """The norm of every gradient of the step, over every rank (:func:`global_norm`)."""
         norms = [[pc.norm for pc in pieces if (pc.on_cpu and pc.index in self._layers[self._layer_of[i]].arrived)
                   or (not pc.on_cpu and pc.param.grad is not None)] for i, pieces in enumerate(self._pieces_of)]
-        return global_norm(norms, self._norm_groups, [local(p).device for p in self._params])
+        return global_norm(norms, self._norm_groups, [local_shard(p).device for p in self._params])
 
     def _end_step(self, failed: bool) -> None:
         """Record the step's device events and start the next step's log; after a failure, first wait for whatever

@@ -16,16 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """What this process holds of ``t``: a DTensor's local shard (a view: writing it writes the DTensor), else ``t``.
-    Offload works on these, so under FSDP2 each rank updates its own shard."""
-    if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
-    return t
+from nbtrain.run.mesh import local_shard
 
 
 @dataclass(frozen=True)
@@ -39,7 +31,7 @@ class Cut:
 
     @property
     def whole(self) -> bool:
-        return self.start == 0 and self.stop == local(self.param).numel()
+        return self.start == 0 and self.stop == local_shard(self.param).numel()
 
 
 def cut_layer(params: list[torch.Tensor], fraction: float) -> list[Cut]:
@@ -49,11 +41,11 @@ def cut_layer(params: list[torch.Tensor], fraction: float) -> list[Cut]:
     The CPU takes the *last* elements of the layer, in parameter order: backward reaches them first, so the CPU
     part of the layer is complete earliest. At most one tensor is cut in two (AdamW is elementwise, so a tensor
     updated in two pieces, each with its own moments, gives exactly the same result as in one)."""
-    total = sum(local(p).numel() for p in params)
+    total = sum(local_shard(p).numel() for p in params)
     boundary = total - round(fraction * total)  # flat position where the CPU part starts
     cuts, offset = [], 0
     for p in params:
-        n = local(p).numel()
+        n = local_shard(p).numel()
         split = min(max(boundary - offset, 0), n)
         if split > 0:
             cuts.append(Cut(p, 0, split, on_cpu=False))

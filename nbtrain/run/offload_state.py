@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.run.offload_split import local
+from nbtrain.run.mesh import local_shard
 
 
 class Piece:
@@ -27,7 +27,7 @@ class Piece:
     Of a DTensor parameter (FSDP2), all of this is of the local shard."""
 
     def __init__(self, cut, index: int):
-        p, shard = cut.param, local(cut.param)
+        p, shard = cut.param, local_shard(cut.param)
         self.param, self.index, self.start, self.stop, self.on_cpu, self.whole = \
             p, index, cut.start, cut.stop, cut.on_cpu, cut.whole
         if not self.whole and not shard.is_contiguous():
@@ -51,7 +51,7 @@ class Piece:
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """This piece of ``t``, a tensor shaped like the parameter (its gradient, its data; a DTensor's local shard)."""
-        t = local(t)
+        t = local_shard(t)
         return t if self.whole else t.reshape(-1)[self.start:self.stop]
 
     def state(self) -> list[torch.Tensor]:
@@ -185,7 +185,7 @@ def _whole(pieces, name: str, param: torch.Tensor) -> torch.Tensor:
     """One parameter's state tensor ``name``, its pieces joined, shaped like the parameter (its local shard), on
     the CPU."""
     flat = [getattr(pc, name).detach().reshape(-1).to("cpu", torch.float32) for pc in pieces]
-    return torch.cat(flat).view(local(param).shape).clone() if flat else torch.zeros(local(param).shape)
+    return torch.cat(flat).view(local_shard(param).shape).clone() if flat else torch.zeros(local_shard(param).shape)
 
 
 def save_state(opt) -> dict:
@@ -211,7 +211,7 @@ def load_state(opt, state_dict: dict) -> None:
     if len(saved) != len(opt._params):
         raise InvalidArgumentError(f"the state dict holds {len(saved)} parameters, this optimizer {len(opt._params)}")
     for i, p, pieces in zip(saved, opt._params, opt._pieces_of):
-        p = local(p)  # of a DTensor (FSDP2), a state dict holds this rank's shards
+        p = local_shard(p)  # of a DTensor (FSDP2), a state dict holds this rank's shards
         entry = state_dict["state"].get(i, {})
         for name in ("exp_avg", "exp_avg_sq", "master"):
             if name in entry and tuple(entry[name].shape) != tuple(p.shape):

@@ -1,7 +1,7 @@
 """Move a model's tensors from one layout to another: the finest common slices, kept where held, the rest sent.
 
     >>> plan = ReshardPlan(src_model.parameters(), dst_model.parameters())   # collective, once per pair
-    >>> plan.run([p.detach() for p in src_params], [p.detach() for p in dst_params])   # weights, src → dst
+    >>> plan.run([local_shard(p) for p in src_params], [local_shard(p) for p in dst_params])  # weights, src → dst
     >>> plan.seconds, plan.bytes_received                                    # the last run, this rank
 
 Two models of the same architecture parallelized two ways (DDP: every rank holds every element; FSDP2 ``dp_shard``
@@ -20,6 +20,7 @@ sends and receives of a run are posted together with ``batch_isend_irecv``. The 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -41,11 +42,6 @@ def local_box(t: torch.Tensor) -> Box:
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return tuple((o, o + n) for o, n in zip(offset, shape))
     return tuple((0, n) for n in t.shape)
-
-
-def local_data(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank's box lives in (a DTensor's local shard, a view: writing it writes the DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -77,10 +73,7 @@ class _Move:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for lo, hi in self.cell:
-            n *= hi - lo
-        return n
+        return math.prod(hi - lo for lo, hi in self.cell)
 
 
 class ReshardPlan:

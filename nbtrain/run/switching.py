@@ -41,9 +41,9 @@ from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.strategy import Plan, Strategy
-from nbtrain.run.mesh import PlanMeshes
+from nbtrain.run.mesh import PlanMeshes, local_shard
 from nbtrain.run.parallelize import layer_modules, parallelize, set_checkpointing
-from nbtrain.run.reshard import ReshardPlan, local_data
+from nbtrain.run.reshard import ReshardPlan
 from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
 
 
@@ -172,8 +172,8 @@ class HotSwitching:
             if not mine:
                 continue
             if away:
-                self._to[strategy].run([local_data(p.detach()) for p in self.home.params],
-                                       [local_data(p.detach()) for p in layout.params])
+                self._to[strategy].run([local_shard(p.detach()) for p in self.home.params],
+                                       [local_shard(p.detach()) for p in layout.params])
                 switches.append(Switch("weights", str(strategy), self._to[strategy].seconds,
                                        self._to[strategy].bytes_received))
             for i, bucket in enumerate(mine):
@@ -222,7 +222,7 @@ class HotSwitching:
             if isinstance(g, DTensor) and g.placements != p.placements:
                 # tensor parallel leaves some gradients Partial (each rank a share of the sum): sum them first
                 g = g.redistribute(p.device_mesh, p.placements)
-            grads.append(local_data(g))
-        self._back[strategy].run(grads, [local_data(p.grad) for p in self.home.params], add=True)
+            grads.append(local_shard(g))
+        self._back[strategy].run(grads, [local_shard(p.grad) for p in self.home.params], add=True)
         for p in layout.params:
             p.grad = None
