@@ -77,6 +77,11 @@ class NonFiniteLossError(NbtrainError, FloatingPointError):
             "clip gradients (clip_norm=1.0), train in fp32 rather than bf16, or look for bad values in the data")
 
 
+class CheckpointError(NbtrainError, RuntimeError):
+    """A checkpoint cannot be used: saved from another model, a folder that already holds another run's checkpoints,
+    ..."""
+
+
 class LaunchError(NbtrainError, RuntimeError):
     """Workers could not be started, or did not form the process group they were asked for (a world size other
     than ``num_processes``, a launch inside a notebook that already created an ``Accelerator``, ...)."""

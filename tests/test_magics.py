@@ -168,3 +168,31 @@ def test_running_the_same_cell_again_does_not_profile_again(shell, monkeypatch):
     assert run(shell, "--gpus 2 --batch 4 -q", body).success
     assert run(shell, "--gpus 4 --batch 8 -q", body).success  # a new model object, the same structure
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("line,message", [
+    ("--gpus 2 --resume ckpt", "--resume saves or resumes a training run: add --launch"),
+    ("--gpus 2 --launch --checkpoint-every 2", "--checkpoint-every 2: add --checkpoint-dir DIR"),
+    ("--gpus 2 --launch --resume a --checkpoint-dir b", "a resumed run saves where it resumed from"),
+])
+def test_checkpoint_flags_that_cannot_work_end_the_cell_before_its_code_runs(shell, line, message):
+    from IPython.core.error import UsageError
+
+    shell.user_ns.pop("untouched", None)
+    result = run(shell, line, "untouched = 1\n" + TINY)
+    assert isinstance(result.error_in_exec, UsageError) and message in str(result.error_in_exec)
+    assert "untouched" not in shell.user_ns
+
+
+@pytest.mark.slow
+def test_launch_resume_goes_on_from_the_checkpoint_under_another_process_count(shell, tmp_path):
+    line = f"--gpus 8 --batch 8 -q -o job --launch --lr 3e-3 --checkpoint-dir {tmp_path}"
+    assert run(shell, f"{line} --processes 2 --steps 2").success
+    first = shell.user_ns["job_result"]
+    line = f"--gpus 8 --batch 8 -q -o job --launch --lr 3e-3 --resume {tmp_path}"
+    result = run(shell, f"{line} --processes 1 --steps 4")  # the cell builds a fresh model: the checkpoint's wins
+    assert result.success, result.error_in_exec
+    resumed = shell.user_ns["job_result"]
+    assert resumed.resumed_at == 2 and [r.step for r in resumed.records] == [1, 2, 3, 4]
+    assert resumed.losses[:2] == first.losses and resumed.losses[-1] < resumed.losses[0]
+    assert resumed.checkpoint.endswith("step-00000004")

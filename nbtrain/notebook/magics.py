@@ -54,6 +54,12 @@ class AutoparallelMagics(Magics):
     @argument("--lr", type=float, default=3e-4, help="AdamW learning rate with --launch (default 3e-4)")
     @argument("--seed", type=int, default=0, help="seed of the launch's workers and data (default 0)")
     @argument("--timeout", type=float, default=None, help="seconds the launch may take (default: no limit)")
+    @argument("--checkpoint-dir", metavar="DIR", help="with --launch, save checkpoints of the run in DIR (after the "
+                                                     "last step, and every --checkpoint-every steps)")
+    @argument("--checkpoint-every", type=int, default=None, metavar="K", help="with --checkpoint-dir, save every K "
+                                                                             "steps too")
+    @argument("--resume", metavar="DIR", help="with --launch, go on from the newest complete checkpoint in DIR "
+                                              "(saved under any plan), to --steps in all; saves there too")
     @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
                                                "launch, checks), for papermill or a tutorial")
     @cell_magic
@@ -77,6 +83,7 @@ class AutoparallelMagics(Magics):
         from nbtrain.notebook.cell import find_model, plan_model, snapshot, train_here
         from nbtrain.planner.report import comparison_table
 
+        _check_checkpoint_flags(args)  # before the cell's own code runs: nothing to undo
         namespace = self.shell.user_ns
         before = snapshot(namespace)
         self.shell.ex(self.shell.transform_cell(cell))  # the user's own code: its errors show as any cell's do
@@ -109,7 +116,9 @@ class AutoparallelMagics(Magics):
             print(f"\ntraining {name} here: {args.processes} processes, {args.steps} steps, the plan scaled to "
                   f"{args.processes} devices")
             result = train_here(model, plan, processes=args.processes, steps=args.steps, data=data,
-                                loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout)
+                                loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout,
+                                checkpoint_dir=args.resume or args.checkpoint_dir,
+                                checkpoint_every=args.checkpoint_every, resume=args.resume is not None)
             _show(result.table())
             print(f"the trained weights are in {name}")
             if args.output:
@@ -147,6 +156,18 @@ def _unquoted(args):
         if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             setattr(args, key, value[1:-1])
     return args
+
+
+def _check_checkpoint_flags(args) -> None:
+    if not args.launch and (args.resume or args.checkpoint_dir or args.checkpoint_every):
+        flag = "--resume" if args.resume else "--checkpoint-dir" if args.checkpoint_dir else "--checkpoint-every"
+        raise UsageError(f"{flag} saves or resumes a training run: add --launch")
+    if args.resume and args.checkpoint_dir and args.resume != args.checkpoint_dir:
+        raise UsageError(f"--resume {args.resume} and --checkpoint-dir {args.checkpoint_dir}: a resumed run saves "
+                         "where it resumed from; give only --resume")
+    if args.checkpoint_every is not None and not (args.checkpoint_dir or args.resume):
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every}: add --checkpoint-dir DIR, the folder the "
+                         "checkpoints go in")
 
 
 def _check_counts(args) -> None:

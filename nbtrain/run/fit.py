@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.errors import CheckpointError, InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.trainer import StepRecord
@@ -49,6 +49,11 @@ class FitResult:
     trace: list | None = None
     """With CPU update offload, rank 0's last step as ``(row, label, start_s, end_s)`` events: each layer's
     backward on the "device" row, its update on the "cpu" row (``nbtrain.notebook.plots.timeline_plot``)."""
+    resumed_at: int = 0
+    """Steps the run had done in the checkpoint it resumed from (0: it started afresh); ``records`` holds those
+    steps too, as the earlier run measured them."""
+    checkpoint: str | None = None
+    """The last complete checkpoint in ``checkpoint_dir`` after the run, when checkpoints were asked for."""
 
     @property
     def losses(self) -> list[float]:
@@ -57,7 +62,8 @@ class FitResult:
     @property
     def measured_step_s(self) -> float:
         """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
-        times = [r.seconds for r in self.records[1:]] or [r.seconds for r in self.records]
+        own = [r for r in self.records if r.step > self.resumed_at] or self.records
+        times = [r.seconds for r in own[1:]] or [r.seconds for r in own]
         return statistics.median(times)
 
     def table(self) -> Table:
@@ -77,6 +83,11 @@ class FitResult:
         if self.predicted_memory_bytes is not None:
             line += f" · predicted per device: {format_bytes(self.predicted_memory_bytes)}"
         t.footer.append(line)
+        if self.resumed_at:
+            t.footer.append(f"resumed after step {self.resumed_at}: the steps up to it were measured by the run "
+                            "that saved the checkpoint")
+        if self.checkpoint:
+            t.footer.append(f"last checkpoint: {self.checkpoint}")
         if self.save_dir:
             t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "
                             "load them with nbtrain.run.weights.load_saved(model, save_dir)")
@@ -112,6 +123,10 @@ class _Run:
     lr_schedule: Callable[[int], float] | None
     save_dir: str | None
     on_nonfinite: str = "stop"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume_from: str | None = None
+    """A complete checkpoint's folder to go on from."""
 
 
 def _worker(model, plan: Plan, get_batch, run: _Run):
@@ -121,6 +136,7 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     from nbtrain.run.mesh import PlanMeshes
     from nbtrain.run.parallelize import parallelize
     from nbtrain.run.trainer import Trainer
+    from nbtrain.run.training_state import TrainingState
     from nbtrain.run.weights import gather_trained, save_trained, trained_prefixes
 
     torch.manual_seed(run.seed)
@@ -138,16 +154,7 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
                       lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
     rank0 = dist.get_rank() == 0
-    bar = _progress(run.steps) if run.progress and rank0 else None
-    records = []
-    for step in range(run.steps):
-        record = trainer.step(*get_batch(step))
-        records.append(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{record.loss:.4f}")
-    if bar is not None:
-        bar.close()
+    records = _train(trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
     if hasattr(optimizer, "close"):
         optimizer.close()  # lands the last step's CPU updates, which completes its trace
     trace = getattr(optimizer, "last_trace", None)
@@ -158,6 +165,35 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     return (records, state, trace) if rank0 else None
 
 
+def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> list[StepRecord]:
+    """The step loop, from a checkpoint when resuming, saving one every ``checkpoint_every`` steps and at the end;
+    returns every step's record (a resumed run's earlier ones first)."""
+    import torch.distributed as dist
+
+    from nbtrain.run.checkpoint import Checkpoint, CheckpointFolder, Progress
+
+    records = []
+    if run.resume_from is not None:
+        progress = Checkpoint(Path(run.resume_from), 0).load(state)
+        trainer.restore_progress(progress.step, progress.schedule_epoch)
+        records = progress.records
+    folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
+    bar = _progress(run.steps, trainer.steps_done) if run.progress and rank0 else None
+    for step in range(trainer.steps_done, run.steps):
+        record = trainer.step(*get_batch(step))
+        records.append(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record.loss:.4f}")
+        done = trainer.steps_done
+        if folder is not None and (done == run.steps or (run.checkpoint_every and done % run.checkpoint_every == 0)):
+            folder.save(state, Progress(done, trainer.schedule_epoch, torch.get_rng_state(), records, str(plan),
+                                        dist.get_world_size()))
+    if bar is not None:
+        bar.close()
+    return records
+
+
 def _by_mesh(model: nn.Module) -> list[dict]:
     """Parameter groups of one kind each: plain tensors, and DTensors per mesh (a fused kernel takes one kind)."""
     from nbtrain.run.trainer import group_by_kind
@@ -165,20 +201,21 @@ def _by_mesh(model: nn.Module) -> list[dict]:
     return [{"params": params} for params in group_by_kind(list(model.parameters()))]
 
 
-def _progress(steps: int):
+def _progress(steps: int, done: int = 0):
     if os.environ.get("NBTRAIN_NONINTERACTIVE"):
         return None
     # the text bar, not tqdm.auto's widget: this runs in a forked worker, whose printed lines the kernel forwards to
     # the cell, but which must not talk to the notebook over the kernel's own sockets (not fork-safe)
     from tqdm.std import tqdm
 
-    return tqdm(total=steps, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
+    return tqdm(total=steps, initial=done, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
 
 
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
         loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
-        save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop") -> FitResult:
+        save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop", checkpoint_dir=None,
+        checkpoint_every: int | None = None, resume: bool = False) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -189,7 +226,13 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     :func:`nbtrain.run.weights.load_saved`. ``timeout`` (seconds) bounds the whole run and every collective: past
     it the workers are killed and :class:`LaunchTimeoutError` is raised. A step whose loss is NaN or infinite stops
     the run before its update (:class:`~nbtrain.errors.NonFiniteLossError`), or with ``on_nonfinite="skip"`` is
-    skipped (no update, nor a step of ``lr_schedule``; its record says ``skipped``)."""
+    skipped (no update, nor a step of ``lr_schedule``; its record says ``skipped``).
+
+    ``checkpoint_dir`` saves the run there every ``checkpoint_every`` steps and after the last (sharded, each rank
+    its part: weights, AdamW state, also an offloaded one, the data position, the schedule, RNG and loss history;
+    :mod:`nbtrain.run.checkpoint`). ``resume=True`` goes on from its newest complete checkpoint — under this call's
+    plan and process count, whatever the saving run's were — to ``steps`` steps in all; with none there yet it starts
+    afresh. If the run fails or is interrupted, the error says where the last checkpoint is."""
     from nbtrain.run.launch import launch
     from nbtrain.run.parallelize import check_plan, layer_modules
 
@@ -219,10 +262,63 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     if on_nonfinite not in ("stop", "skip"):
         raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
+    folder, start = _checkpoints(model, checkpoint_dir, checkpoint_every, resume)
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
-               None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite)
-    records, state, trace = launch(_worker, model, plan, get_batch, run, num_processes=num_processes,
-                                   timeout=timeout)
+               None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
+               None if folder is None else str(folder.path), checkpoint_every,
+               None if start is None else str(start.path))
+    try:
+        records, state, trace = launch(_worker, model, plan, get_batch, run, num_processes=num_processes,
+                                       timeout=timeout)
+    except (LaunchError, KeyboardInterrupt) as error:
+        if folder is None:
+            raise
+        raise _with_resume_hint(error, folder, steps) from None
     if state is not None:
         model.load_state_dict(state)
-    return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace)
+    latest = folder.latest() if folder is not None else None
+    return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
+                     0 if start is None else start.step, None if latest is None else str(latest.path))
+
+
+def _checkpoints(model: nn.Module, checkpoint_dir, every, resume: bool):
+    """The run's checkpoint folder and the checkpoint to start from (None: afresh), checked before launching."""
+    from nbtrain.run.checkpoint import CheckpointFolder, check_same_model
+
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise InvalidArgumentError(f"checkpoint_every must be a positive number of steps, got {every!r}")
+    if checkpoint_dir is None:
+        if every is not None or resume:
+            flag = "resume=True" if resume else f"checkpoint_every={every}"
+            raise InvalidArgumentError(f"{flag} needs checkpoint_dir: the folder the run's checkpoints go in")
+        return None, None
+    folder = CheckpointFolder(Path(checkpoint_dir).resolve())
+    latest = folder.latest()
+    if latest is not None and not resume:
+        raise CheckpointError(f"{folder.path} already holds checkpoints of a run (the newest after step "
+                              f"{latest.step}); pass resume=True to go on from it, or give another checkpoint_dir "
+                              "(nothing there was changed)")
+    if latest is None:
+        if resume:
+            print(f"no complete checkpoint in {folder.path} yet: training from step 0", flush=True)
+        return folder, None
+    check_same_model(latest, model)
+    saved = latest.progress()
+    print(f"resuming from {latest.path}: step {latest.step}, saved under '{saved.plan}' in {saved.num_processes} "
+          "process(es)", flush=True)
+    return folder, latest
+
+
+def _with_resume_hint(error: BaseException, folder, steps: int) -> BaseException:
+    """``error`` with where the last complete checkpoint is and how to go on from it."""
+    latest = folder.latest()
+    if latest is None:
+        hint = f"No checkpoint in {folder.path} was completed before it stopped."
+    else:
+        hint = (f"The last complete checkpoint is {latest.path} (step {latest.step} of {steps}); go on from it under "
+                f"any plan and process count with fit(..., checkpoint_dir={str(folder.path)!r}, resume=True) or "
+                f"%%autoparallel --launch --resume {folder.path}")
+    if isinstance(error, KeyboardInterrupt):
+        return KeyboardInterrupt(f"training interrupted; the workers were stopped. {hint}")
+    error.args = (f"{error.args[0]} {hint}", *error.args[1:])
+    return error

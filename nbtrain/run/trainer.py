@@ -135,6 +135,23 @@ class Trainer:
 
             self.pipeline = PipelineRunner(model, plan, meshes, loss_fn)
 
+    @property
+    def schedule_epoch(self) -> int:
+        """Steps the learning-rate schedule has taken (a skipped step takes none)."""
+        return self.scheduler.last_epoch if self.scheduler is not None else self.steps_done
+
+    def restore_progress(self, steps_done: int, schedule_epoch: int) -> None:
+        """Go on from a checkpoint: number the next step ``steps_done + 1`` and put the learning-rate schedule at
+        ``schedule_epoch`` (``LambdaLR`` computes its factor from the epoch alone)."""
+        self.steps_done = steps_done
+        if self.scheduler is not None and schedule_epoch:
+            import warnings
+
+            self.scheduler.last_epoch = schedule_epoch - 1
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
+
     def _local_rows(self, t: torch.Tensor, layer: int) -> torch.Tensor:
         """This process's rows of a global batch, as ``layer``'s layout gives them out.
 

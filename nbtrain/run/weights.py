@@ -26,10 +26,14 @@ _WRAPPED = "_checkpoint_wrapped_module."  # what checkpoint_wrapper adds to para
 def trained_prefixes(model: nn.Module, plan, stage: int) -> tuple[str, ...]:
     """Name prefixes of the layers pipeline stage ``stage`` trains (the other stages' layers in a process are
     untouched copies), in the unwrapped model's names."""
+    return layer_prefixes(model, *plan.stage_ranges()[stage])
+
+
+def layer_prefixes(model: nn.Module, start: int = 0, end: int | None = None) -> tuple[str, ...]:
+    """Name prefixes of layers ``[start, end)`` (all by default) in the unwrapped model's names."""
     from nbtrain.run.parallelize import layer_modules, slot_module
 
     names = {id(module): name for name, module in model.named_modules()}
-    start, end = plan.stage_ranges()[stage]
     return tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_modules(model)[start:end]
                  for parent, attr in slots)
 
