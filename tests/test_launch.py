@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,20 @@ def noop():
     return None
 
 
+def oversleep():
+    time.sleep(10 * LIMIT)
+
+
+def all_reduce_while_rank_1_oversleeps():
+    if dist.get_rank() == 1:
+        oversleep()
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1
+
+
+def collective_timeout_s():
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # what gloo enforces
+
+
 def test_two_workers_form_one_gloo_group_and_rank_0_gets_the_all_reduce(no_process_left):
     views = launch(world_view, num_processes=2, timeout=LIMIT)
     assert [(world, total) for world, total, _ in views] == [(2, 1), (2, 1)]
@@ -114,6 +129,24 @@ def test_workers_past_the_timeout_are_killed(no_process_left):
     with pytest.raises(LaunchTimeoutError, match="ran past timeout=2 s"):
         launch(sleep_forever, num_processes=2, timeout=2)
     assert time.monotonic() - start < 10
+
+
+def test_a_rank_that_never_reaches_the_collective_is_named_with_where_each_rank_was(no_process_left):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        launch(all_reduce_while_rank_1_oversleeps, num_processes=2, timeout=5)
+    assert time.monotonic() - start < 5 + 5  # the dumps take a fraction of a second, not a second timeout
+    assert re.fullmatch(
+        r"the 2 workers ran past timeout=5 s and were killed\. Rank 1 never reached the collective the others wait "
+        r"in: rank 1 was at test_launch\.py:\d+ in oversleep; rank 0 waited in all_reduce \(called at "
+        r"test_launch\.py:\d+ in all_reduce_while_rank_1_oversleeps\)\. Raise the timeout if rank 1 was only slow, "
+        r"or make every rank reach the same collectives\.", str(caught.value)), str(caught.value)
+    assert [(r.rank, r.collective) for r in caught.value.ranks] == [(0, "all_reduce"), (1, None)]
+
+
+def test_forked_workers_collectives_time_out_30_s_after_the_launch_so_the_launch_reports_a_hang():
+    # Were they equal, gloo would often raise first, on rank 0 that waited, and the error would blame rank 0.
+    assert launch(collective_timeout_s, num_processes=2, timeout=5) == 5 + 30
 
 
 def test_launch_puts_back_the_parents_environment_and_signal_handlers():
@@ -210,6 +243,27 @@ def test_a_parent_that_ran_multithreaded_torch_launches_without_hanging():
     assert "result 2.0" in proc.stdout
     assert "[rank 0] matmul True" in proc.stdout and "[rank 1] matmul True" in proc.stdout
     assert "CUDA" not in proc.stdout  # accelerate's "Launching training on 2 CUDAs." is not shown on CPU
+
+
+@pytest.mark.slow
+def test_in_a_notebook_the_rank_that_hung_is_shown_at_its_cell_as_ipython_names_it():
+    proc = run_script("""
+        from IPython.core.interactiveshell import InteractiveShell
+        from nbtrain.errors import LaunchTimeoutError
+        shell = InteractiveShell.instance()
+        shell.run_cell("import time, torch, torch.distributed as dist", store_history=True)
+        shell.run_cell("def hang():\\n"
+                       "    if dist.get_rank() == 1:\\n"
+                       "        time.sleep(600)\\n"
+                       "    dist.all_reduce(torch.ones(1))\\n", store_history=True)
+        try:
+            launch(shell.user_ns["hang"], num_processes=2, timeout=3)
+        except LaunchTimeoutError as error:
+            print(error)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 was at cell In[2], line 3 in hang; rank 0 waited in all_reduce (called at cell In[2], line 4 " \
+           "in hang)" in proc.stdout, proc.stdout
 
 
 def four_rank_sum():

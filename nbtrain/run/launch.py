@@ -17,15 +17,21 @@ The same user code runs on several nodes from a shell: under ``torchrun --nproc-
 ``accelerate launch train.py`` each process already has ``RANK``/``WORLD_SIZE`` set, and ``launch`` then calls the
 function in that process (initialising the group if needed) instead of forking; ``num_processes`` is ignored and
 each rank gets its own return value.
+
+A launch that runs past its ``timeout`` asks every worker where it was before killing it (``faulthandler`` dumps
+each worker's stacks on SIGUSR1, even while it is blocked inside gloo), and the error names the rank that never
+reached the collective the others wait in: see :mod:`nbtrain.run.stacks`.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -38,11 +44,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbtrain.errors import InvalidArgumentError, LaunchError, LaunchTimeoutError, WorkerError
+from nbtrain.run.stacks import describe_ranks, explain_hang
 
 # torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
 _PG_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default, used when no timeout is given
 _FORK_WAIT_S = 600  # how long a forked rank waits for the agent to fork the others
+# Forked workers' collectives time out this much after the launch's own timer fires: the parent then asks every rank
+# where it was and names the one that hung. Were they equal, gloo would often fail first, on the rank that waited.
+_PG_MARGIN_S = 30
+_DUMP_WAIT_S = 2  # how long a timed-out launch waits for its workers' stack dumps before killing them
+_STACK_FILE = re.compile(r"rank(\d+)-pid(\d+)\.stack")
 
 
 def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int | None = None,
@@ -53,11 +65,15 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     ``torch.distributed`` initialised (gloo without a GPU, nccl on one GPU per rank), runs ``train(model_cfg,
     steps=10)`` in each, and returns what rank 0 returned (it must pickle). ``num_processes=1`` runs ``fn`` in
     this process in a one-rank group, so ``%debug`` works. ``port`` is the rendezvous port (a free one by default);
-    ``timeout`` (seconds) bounds the whole run and every collective.
+    ``timeout`` (seconds) bounds the whole run. Forked workers' collectives time out 30 s later (``timeout + 30``),
+    so that a hang is reported by the launch, which names the rank that hung, rather than by gloo on a rank that
+    waited for it; in one process, and under torchrun, every collective times out after ``timeout``.
 
     A worker that raises stops all workers and raises :class:`WorkerError` naming the rank, with its traceback;
-    past ``timeout`` the workers are killed and :class:`LaunchTimeoutError` is raised; Ctrl-C stops the workers and
-    re-raises ``KeyboardInterrupt``. In every case no worker process is left behind and the kernel lives on.
+    past ``timeout`` each worker's stacks are dumped, the workers are killed and :class:`LaunchTimeoutError` is
+    raised, saying where each rank was and which one the others waited for (``error.ranks`` holds a
+    :class:`~nbtrain.run.stacks.RankStack` per rank); Ctrl-C stops the workers and re-raises ``KeyboardInterrupt``.
+    In every case no worker process is left behind and the kernel lives on.
     """
     if not callable(fn):
         raise InvalidArgumentError(f"launch needs a function to run, got {type(fn).__name__}: launch(train, ...)")
@@ -85,7 +101,8 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     if num_processes == 1:
         with _cpu_env(gpus == 0):
             return _run_in_group(fn, args, kwargs, 1, pg_timeout)
-    return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gpus)
+    fork_pg_timeout = datetime.timedelta(seconds=timeout + _PG_MARGIN_S) if timeout else _PG_TIMEOUT
+    return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, fork_pg_timeout, gpus)
 
 
 def rank_print(*args: Any, sep: str = " ", end: str = "\n", file=None) -> None:
@@ -110,7 +127,8 @@ def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gp
     timed_out = threading.Event()
     with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, _launch_env(gpus == 0):
         worker = _Worker(fn, args, kwargs, num_processes, workdir, "nccl" if gpus else "gloo", pg_timeout)
-        timer = threading.Timer(timeout, _stop_workers, (before, timed_out)) if timeout else None
+        timer = threading.Timer(timeout, _dump_stacks_and_stop_workers, (before, timed_out, workdir)) \
+            if timeout else None
         try:
             if timer:
                 timer.start()
@@ -124,9 +142,8 @@ def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gp
                     break
                 except ChildFailedError as failure:
                     if timed_out.is_set():
-                        raise LaunchTimeoutError(f"the {num_processes} workers ran past timeout={timeout} s and "
-                                                 "were killed; raise the timeout, or look for a rank stuck in a "
-                                                 "collective the others never reach") from None
+                        timer.join()  # the dumps are written and the workers killed
+                        raise _timeout_error(workdir, num_processes, timeout) from None
                     raise _worker_error(failure, workdir, num_processes) from None
                 except SignalException as stop:  # elastic turns Ctrl-C (and SIGTERM) into this; it has already
                     if stop.sigval == signal.SIGINT:  # signalled the workers
@@ -163,6 +180,13 @@ class _Worker:
     def __call__(self) -> None:
         import torch
 
+        rank = int(os.environ["RANK"])
+        # The parent sends SIGUSR1 to a launch past its timeout. faulthandler writes the stacks from its C signal
+        # handler, so a rank blocked inside gloo (which never returns to the interpreter) answers too.
+        # The file gets its name once the handler is there: the parent signals only workers with one.
+        self.stack_file = open(self.workdir / f"rank{rank}.stack.tmp", "w")  # kept open for the handler
+        faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True, chain=False)
+        os.replace(self.workdir / f"rank{rank}.stack.tmp", self.workdir / f"rank{rank}-pid{os.getpid()}.stack")
         # First, before any op: if the parent ran a multi-threaded torch op before forking, its OpenMP pool is
         # gone in the child and the next multi-threaded op here would wait on it forever. One thread never uses it.
         torch.set_num_threads(1)
@@ -172,7 +196,6 @@ class _Worker:
         # Ctrl-C) for the agent's 30 s grace period. The OS default ends the worker at once.
         for sig in _SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-        rank = int(os.environ["RANK"])
         try:
             # No rank talks to the agent's store before the agent has forked every rank. The store's server thread
             # in the parent resolves a connecting peer's address (getnameinfo, under glibc's resolver lock); a rank
@@ -268,10 +291,58 @@ class _DropBanner:
         return getattr(self.stream, name)
 
 
-def _stop_workers(before, flag: threading.Event | None = None) -> None:
+def _timeout_error(workdir, num_processes, timeout) -> LaunchTimeoutError:
+    dumps = {}
+    for path in Path(workdir).glob("rank*-pid*.stack"):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            dumps[int(_STACK_FILE.fullmatch(path.name).group(1))] = text
+    ranks = describe_ranks(dumps, num_processes, _notebook_cell_name())
+    error = LaunchTimeoutError(f"the {num_processes} workers ran past timeout={timeout} s and were killed. "
+                               f"{explain_hang(ranks)}")
+    error.ranks = ranks
+    return error
+
+
+def _notebook_cell_name():
+    """IPython's name for the file a cell's code runs from (``In[3]``), as its own tracebacks show it; outside a
+    notebook, None."""
+    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if format_code_name is None:
+        return None
+    return lambda path: (format_code_name(path) or (None, None))[1]
+
+
+def _dump_stacks_and_stop_workers(before, timed_out: threading.Event, workdir) -> None:
+    """Past the timeout: have each worker of this launch dump its stacks (SIGUSR1), wait for the dumps, kill them."""
+    timed_out.set()
+    children = {child.pid for child in set(multiprocessing.active_children()) - before}
+    files = {int(_STACK_FILE.fullmatch(path.name).group(2)): path for path in Path(workdir).glob("rank*-pid*.stack")}
+    # Only workers that registered the handler (their file is named): SIGUSR1 ends a process that has none.
+    listening = {pid: path for pid, path in files.items() if pid in children}
+    for pid in listening:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
+    _wait_for_dumps(list(listening.values()))
+    _stop_workers(before)
+
+
+def _wait_for_dumps(paths: list[Path]) -> None:
+    """Until every file is non-empty and has stopped growing, at most ``_DUMP_WAIT_S``."""
+    deadline, sizes = time.monotonic() + _DUMP_WAIT_S, None
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = [path.stat().st_size for path in paths]
+        if all(now) and now == sizes:
+            return
+        sizes = now
+
+
+def _stop_workers(before) -> None:
     """Kill the workers this launch started (children now that were not there before) and reap them."""
-    if flag is not None:
-        flag.set()
     for child in set(multiprocessing.active_children()) - before:
         child.kill()
         child.join(5)
