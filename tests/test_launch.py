@@ -72,6 +72,13 @@ def killed_on_rank_1():
     time.sleep(LIMIT)
 
 
+def killed_on_rank_1_while_rank_0_waits_for_it():
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # rank 0 is inside all_reduce by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # rank 0 fails here: "Connection reset/closed by peer"
+
+
 def sleep_forever():
     time.sleep(10 * LIMIT)
 
@@ -122,6 +129,29 @@ def test_a_failing_rank_raises_worker_error_naming_it_within_seconds_and_leaves_
 def test_a_rank_killed_by_a_signal_is_named_too(no_process_left):
     with pytest.raises(WorkerError, match="rank 1 of 2 died with signal SIGKILL without raising"):
         launch(killed_on_rank_1, num_processes=2, timeout=LIMIT)
+
+
+def test_a_killed_rank_is_named_not_the_peer_that_lost_its_connection_to_it(no_process_left):
+    # rank 0 raises (gloo: the peer went away) and the agent may well report rank 0's failure first
+    with pytest.raises(WorkerError) as caught:
+        launch(killed_on_rank_1_while_rank_0_waits_for_it, num_processes=2, timeout=LIMIT)
+    assert caught.value.rank == 1
+    assert str(caught.value).startswith("rank 1 of 2 died with signal SIGKILL without raising"), str(caught.value)
+    assert "rank 0 then lost its connection to it" in str(caught.value)
+
+
+def listening(port: int) -> bool:
+    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.Process().net_connections(kind="tcp"))
+
+
+def test_a_failed_launch_frees_its_port_even_while_the_error_is_kept(no_process_left):
+    port = _free_port()
+    with pytest.raises(WorkerError) as caught:
+        launch(boom_on_rank_1, num_processes=2, port=port, timeout=LIMIT)
+    kept = caught.value  # as IPython keeps the last error (sys.last_value)
+    assert not listening(port), f"port {port} still open while {type(kept).__name__} is referenced"
+    assert launch(noop, num_processes=2, port=port, timeout=LIMIT) is None  # and it can be used again at once
 
 
 def test_workers_past_the_timeout_are_killed(no_process_left):
@@ -290,15 +320,19 @@ def test_ctrl_c_stops_the_workers_and_reraises_keyboard_interrupt():
         start = time.monotonic()
         try:
             launch(stuck, num_processes=2)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
+            kept = interrupt  # as IPython keeps the last error
             print("interrupted", time.monotonic() - start < 10)  # 1.5 s in, stopped within seconds
         print("children", multiprocessing.active_children(), psutil.Process().children())
         print("handler", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        print("listening", [c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+                            if c.status == psutil.CONN_LISTEN])
     """)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "interrupted True" in lines, proc.stdout
     assert "children [] []" in lines and "handler True" in lines
+    assert "listening []" in lines, proc.stdout  # the launch's port (the agent's store) is closed
 
 
 def _free_port() -> int:

@@ -31,7 +31,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import re
 import signal
 import socket
 import sys
@@ -43,8 +42,8 @@ from contextlib import contextmanager, nullcontext, redirect_stdout
 from pathlib import Path
 from typing import Any, Callable
 
-from nbtrain.errors import InvalidArgumentError, LaunchError, LaunchTimeoutError, WorkerError
-from nbtrain.run.stacks import describe_ranks, explain_hang
+from nbtrain.errors import InvalidArgumentError, LaunchError
+from nbtrain.run.failures import ChildWatcher, dump_stacks, timeout_error, worker_error
 
 # torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
@@ -53,8 +52,6 @@ _FORK_WAIT_S = 600  # how long a forked rank waits for the agent to fork the oth
 # Forked workers' collectives time out this much after the launch's own timer fires: the parent then asks every rank
 # where it was and names the one that hung. Were they equal, gloo would often fail first, on the rank that waited.
 _PG_MARGIN_S = 30
-_DUMP_WAIT_S = 2  # how long a timed-out launch waits for its workers' stack dumps before killing them
-_STACK_FILE = re.compile(r"rank(\d+)-pid(\d+)\.stack")
 
 
 def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int | None = None,
@@ -119,51 +116,64 @@ def rank_print(*args: Any, sep: str = " ", end: str = "\n", file=None) -> None:
 
 
 def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gpus):
-    from accelerate import notebook_launcher
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     before = set(multiprocessing.active_children())
     timed_out = threading.Event()
     with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, _launch_env(gpus == 0):
         worker = _Worker(fn, args, kwargs, num_processes, workdir, "nccl" if gpus else "gloo", pg_timeout)
         timer = threading.Timer(timeout, _dump_stacks_and_stop_workers, (before, timed_out, workdir)) \
             if timeout else None
+        watcher = ChildWatcher(before)
         try:
             if timer:
                 timer.start()
-            for attempt in range(3):
-                try:
-                    use_port = port or _free_port()
-                    print(f"Launching {num_processes} workers on {'GPUs, one each (nccl)' if gpus else 'CPU (gloo)'}"
-                          f" at 127.0.0.1:{use_port}", flush=True)
-                    with redirect_stdout(_DropBanner(sys.stdout)):
-                        notebook_launcher(worker, num_processes=num_processes, use_port=str(use_port))
-                    break
-                except ChildFailedError as failure:
-                    if timed_out.is_set():
-                        timer.join()  # the dumps are written and the workers killed
-                        raise _timeout_error(workdir, num_processes, timeout) from None
-                    raise _worker_error(failure, workdir, num_processes) from None
-                except SignalException as stop:  # elastic turns Ctrl-C (and SIGTERM) into this; it has already
-                    if stop.sigval == signal.SIGINT:  # signalled the workers
-                        raise KeyboardInterrupt from None
-                    raise LaunchError(f"the launch was stopped by {stop.sigval.name}") from None
-                except Exception as error:
-                    # Between picking a free port and the agent binding it another process may take it: try again.
-                    if port is None and attempt < 2 and "address already in use" in str(error).lower():
-                        continue
-                    if isinstance(error, ValueError):  # accelerate's "Accelerator already initialised" and such
-                        raise LaunchError(str(error)) from error
-                    raise
+            error = _run_launcher(worker, num_processes, port, gpus, workdir, watcher, timer, timed_out, timeout)
         finally:
             if timer:
                 timer.cancel()
+            watcher.stop()
             _stop_workers(before)
+        # Raised here, out of the `except` that built it: raised there, it would carry elastic's exception as its
+        # context, whose frames hold the agent and its store, and the port would stay open for as long as the
+        # error is kept (IPython keeps the last one).
+        if error is not None:
+            raise error
         result = Path(workdir) / "result.pkl"
         if not result.exists():
             raise LaunchError("the workers finished but rank 0 left no return value")
         return pickle.loads(result.read_bytes())
+
+
+def _run_launcher(worker, num_processes, port, gpus, workdir, watcher, timer, timed_out, timeout):
+    """accelerate's ``notebook_launcher`` with ``worker`` on every rank; returns None, or the error to raise."""
+    from accelerate import notebook_launcher
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    for attempt in range(3):
+        try:
+            use_port = port or _free_port()
+            print(f"Launching {num_processes} workers on {'GPUs, one each (nccl)' if gpus else 'CPU (gloo)'}"
+                  f" at 127.0.0.1:{use_port}", flush=True)
+            with redirect_stdout(_DropBanner(sys.stdout)):
+                notebook_launcher(worker, num_processes=num_processes, use_port=str(use_port))
+            return None
+        except ChildFailedError as failure:
+            if timed_out.is_set():
+                timer.join()  # the dumps are written and the workers killed
+                return timeout_error(workdir, num_processes, timeout)
+            return worker_error(failure, workdir, num_processes, watcher)
+        except SignalException as stop:  # elastic turns Ctrl-C (and SIGTERM) into this; it has already
+            if stop.sigval == signal.SIGINT:  # signalled the workers
+                return KeyboardInterrupt()
+            return LaunchError(f"the launch was stopped by {stop.sigval.name}")
+        except Exception as error:
+            # Between picking a free port and the agent binding it another process may take it: try again.
+            if port is None and attempt < 2 and "address already in use" in str(error).lower():
+                continue
+            if isinstance(error, ValueError):  # accelerate's "Accelerator already initialised" and such
+                return LaunchError(str(error))
+            raise
+    return None
 
 
 class _Worker:
@@ -257,24 +267,6 @@ def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
         raise
 
 
-def _worker_error(failure, workdir, num_processes) -> WorkerError:
-    reports = []
-    for path in Path(workdir).glob("rank*.err"):
-        stamp, _, text = path.read_text().partition("\n")
-        reports.append((float(stamp), int(path.stem[4:]), text.rstrip()))
-    if not reports:  # killed by a signal, segfault or os._exit: it wrote nothing
-        rank, first = failure.get_first_failure()
-        how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
-        return WorkerError(f"rank {rank} of {num_processes} died with {how} without raising (the out-of-memory "
-                           "killer? a crash in native code? os._exit?); the other workers were stopped", rank)
-    _, rank, text = min(reports)
-    others = sorted(r for _, r, _ in reports if r != rank)
-    also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
-    return WorkerError(f"rank {rank} of {num_processes} failed: {text.splitlines()[-1]}{also}; the other workers "
-                       f"were stopped. Fix the function and launch again. Traceback of rank {rank}:\n{text}",
-                       rank, text)
-
-
 class _DropBanner:
     """Drops accelerate's "Launching training on 2 CUDAs." (printed even on CPU); nbtrain prints a true line."""
 
@@ -291,54 +283,11 @@ class _DropBanner:
         return getattr(self.stream, name)
 
 
-def _timeout_error(workdir, num_processes, timeout) -> LaunchTimeoutError:
-    dumps = {}
-    for path in Path(workdir).glob("rank*-pid*.stack"):
-        text = path.read_text(errors="replace")
-        if text.strip():
-            dumps[int(_STACK_FILE.fullmatch(path.name).group(1))] = text
-    ranks = describe_ranks(dumps, num_processes, _notebook_cell_name())
-    error = LaunchTimeoutError(f"the {num_processes} workers ran past timeout={timeout} s and were killed. "
-                               f"{explain_hang(ranks)}")
-    error.ranks = ranks
-    return error
-
-
-def _notebook_cell_name():
-    """IPython's name for the file a cell's code runs from (``In[3]``), as its own tracebacks show it; outside a
-    notebook, None."""
-    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
-    format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if format_code_name is None:
-        return None
-    return lambda path: (format_code_name(path) or (None, None))[1]
-
-
 def _dump_stacks_and_stop_workers(before, timed_out: threading.Event, workdir) -> None:
     """Past the timeout: have each worker of this launch dump its stacks (SIGUSR1), wait for the dumps, kill them."""
     timed_out.set()
-    children = {child.pid for child in set(multiprocessing.active_children()) - before}
-    files = {int(_STACK_FILE.fullmatch(path.name).group(2)): path for path in Path(workdir).glob("rank*-pid*.stack")}
-    # Only workers that registered the handler (their file is named): SIGUSR1 ends a process that has none.
-    listening = {pid: path for pid, path in files.items() if pid in children}
-    for pid in listening:
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:  # it ended meanwhile
-            pass
-    _wait_for_dumps(list(listening.values()))
+    dump_stacks(before, workdir)
     _stop_workers(before)
-
-
-def _wait_for_dumps(paths: list[Path]) -> None:
-    """Until every file is non-empty and has stopped growing, at most ``_DUMP_WAIT_S``."""
-    deadline, sizes = time.monotonic() + _DUMP_WAIT_S, None
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = [path.stat().st_size for path in paths]
-        if all(now) and now == sizes:
-            return
-        sizes = now
 
 
 def _stop_workers(before) -> None:
