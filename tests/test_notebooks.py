@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"
 SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True},
-         "04_dynamic_switching": {}}
+         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}}
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +118,25 @@ def test_dynamic_switching_tutorial_plans_buckets_and_measures_both_plans(tmp_pa
     assert measured["static"][1] == pytest.approx(measured["hot switching"][1], rel=1e-3)
     assert re.search(r"measured speed-up [\d.]+×; predicted [\d.]+×", everything)
     assert "forward + backward per bucket" in everything and "switches per step, predicted beside measured" in everything
+
+
+def test_checkpoints_tutorial_interrupts_a_launch_resumes_under_another_plan_and_survives_faults(tmp_path):
+    nb = execute(NOTEBOOKS / "05_checkpoints_and_faults.ipynb", tmp_path, smoke=True)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"]  # papermill ran every cell
+    texts = [text_of(c) for c in code]
+    everything = "\n".join(texts)
+    # the interrupted launch ended with where the last checkpoint is, and the next cells ran
+    assert re.search(r"^KeyboardInterrupt: training interrupted; the workers were stopped. The last complete "
+                     r"checkpoint is \S+step-\d{8} \(step \d of 6\)", everything, re.M), everything
+    assert "worker processes left: 0" in everything
+    assert "listening sockets besides the kernel's own: none" in everything
+    # resumed under tp=2 with the uninterrupted run's losses (the notebook asserts it; this is its last line)
+    assert re.search(r"same training: resumed after step [1-9]\d*, under tp=2", everything), everything
+    # a killed worker is named with its signal and the way to resume; a hung one is named too
+    assert re.search(r"^WorkerError: rank 1 of 2 died with signal SIGKILL .* resume=True", everything, re.M)
+    assert re.search(r"^LaunchTimeoutError: .* Rank 1 never reached the collective", everything, re.M), everything
+    assert "a new launch after all that: 1" in texts[-1]
 
 
 @pytest.mark.parametrize("fixture,message", [

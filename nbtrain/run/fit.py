@@ -31,7 +31,7 @@ from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
 
 
-@dataclass
+@dataclass(repr=False)  # the step table, also as a notebook's text/plain (papermill, the console)
 class FitResult:
     """What a parallel training run did, as rank 0 saw it."""
 
@@ -95,6 +95,8 @@ class FitResult:
 
     def __str__(self) -> str:
         return str(self.table())
+
+    __repr__ = __str__
 
     def _repr_html_(self) -> str:
         return self.table()._repr_html_()
