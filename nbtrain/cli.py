@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from nbtrain.errors import NbtrainError
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NbtrainError, WorkerError
 
 
 def _positive_int(text: str) -> int:
@@ -188,7 +188,12 @@ def _run_script(args) -> None:
             plan = Plan.from_dict(data)
         except (OSError, ValueError) as exc:
             raise NbtrainError(f"cannot read the plan {args.plan}: {exc}") from None
-        processes = processes or plan.num_devices
+        if processes not in (None, plan.num_devices):
+            raise InvalidPlanError(f"the plan in {args.plan} is for {plan.num_devices} devices but --processes "
+                                   f"asks for {processes}; leave out --processes to launch {plan.num_devices}, or "
+                                   f"write the plan for {processes} (nbtrain plan MODEL --gpus {processes} ... "
+                                   f"--json > {args.plan})")
+        processes = plan.num_devices
         os.environ["NBTRAIN_PLAN"] = str(pathlib.Path(args.plan).resolve())
     launch(run_script, args.script, args.script_args, num_processes=processes or 1)
 
@@ -213,6 +218,10 @@ def _export(args) -> None:
     from nbtrain.notebook.cell import plan_model
     from nbtrain.notebook.export import export_cell
 
+    if ":" in args.model:
+        raise InvalidArgumentError(f"export writes a notebook that builds a preset, and {args.model!r} is a Python "
+                                   "reference; name a preset (gpt-tiny, llama-tiny, gpt2, ...), or build your model "
+                                   "in a notebook cell and use %%autoparallel --export PATH")
     code = f"import nbtrain\n\nmodel = nbtrain.build_preset({args.model!r}, device='cpu')"
     job = plan_model(build_preset(args.model, device="cpu"), args.model, gpus=args.gpus, gpu=args.gpu,
                      batch=args.batch, seq=args.seq, strategy=args.strategy)
@@ -246,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     args.script_args = script_args
     try:
         status = args.run(args)
+    except WorkerError as exc:  # the failing rank's traceback, then the one line, as Python ends an error
+        if exc.worker_traceback:
+            print(f"Traceback of rank {exc.rank}:\n{exc.worker_traceback}", file=sys.stderr)
+        print(f"nbtrain: error: {exc.summary}", file=sys.stderr)
+        return exc.exit_code
     except NbtrainError as exc:
         print(f"nbtrain: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -96,6 +96,15 @@ class WorkerError(LaunchError):
         self.rank = rank
         self.worker_traceback = worker_traceback
 
+    @property
+    def summary(self) -> str:
+        """The message as one line, without the rank's traceback (and what follows the traceback kept): what the CLI
+        and the magic print last, under the traceback (``rank 1 of 2 failed: ValueError: ...; the other ...``)."""
+        message = str(self)
+        if self.worker_traceback:
+            message = message.replace(f" Traceback of rank {self.rank}:\n{self.worker_traceback}", "", 1)
+        return message.split("\n", 1)[0]
+
 
 class LaunchTimeoutError(LaunchError, TimeoutError):
     """The workers ran past the ``timeout`` given to ``launch``; they were killed."""

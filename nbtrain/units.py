@@ -19,12 +19,16 @@ _BYTE_UNITS = {
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """``"40GiB"`` → 42949672960. Binary units for KiB/MiB/GiB/TiB and bare K/M/G/T, decimal for KB/MB/GB/TB."""
+    """``"40GiB"`` → 42949672960. Binary units for KiB/MiB/GiB/TiB and bare K/M/G/T, decimal for KB/MB/GB/TB.
+    A number is bytes; text needs its unit (``"40"`` is refused: 40 bytes is never the budget meant)."""
     if isinstance(text, (int, float)):
         return int(text)
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _BYTE_UNITS:
         raise InvalidArgumentError(f"cannot read {text!r} as a size; write it like '40GiB', '512MiB' or '80GB'")
+    if not match.group(2):
+        raise InvalidArgumentError(f"{text.strip()!r} has no unit; write '{text.strip()}GiB' (or MiB, GB, ...; "
+                                   f"'{text.strip()}B' for bytes)")
     return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import nbtrain
 from nbtrain.cli import main
+from nbtrain.errors import WorkerError
 
 
 def run_cli(*args: str, timeout: float = 240) -> tuple[int, str, str, int]:
@@ -50,6 +51,16 @@ def test_profile_prints_a_table_by_default(capsys):
     (["profile", "gpt2", "--seq", "2048"], "exceeds the model's context length 1024"),
     (["cluster", "TPUv9"], "unknown device 'TPUv9'"),
     (["cluster"], "name a device from the catalog"),
+    (["profile", "gpt-tiny", "--seq", "32", "--measure", "tpu"], "cannot measure on 'tpu': name a torch device"),
+    (["plan", "gpt-tiny", "--gpus", "2", "--batch", "8", "--memory", "40"], "'40' has no unit; write '40GiB'"),
+    (["plan", "llama-tiny", "--gpus", "4", "--batch", "16", "--strategy", "tp=4"],
+     "layer 1 (blocks.0) of llama-tiny: tp=4 does not divide the 2 key/value heads (4 query heads share them); "
+     "use a tp that divides 2: 1 or 2"),
+    (["verify", "torch.nn:Identity", "--strategy", "dp_shard=2", "--processes", "2"],
+     "torch.nn:Identity gives Identity, which takes no token ids"),
+    (["verify", "gpt-tiny", "--strategy", "dp_shard=2", "--processes", "2", "--seq", "4096"],
+     "sequence length 4096 exceeds the model's block_size 256; give rows of at most 256 tokens"),
+    (["export", "torch.nn:Linear", "--out", "run.ipynb"], "export writes a notebook that builds a preset"),
 ])
 def test_user_errors_print_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2
@@ -86,3 +97,40 @@ def test_llama_70b_is_profiled_by_the_console_command_without_allocating_its_wei
     assert data["params"] == pytest.approx(68.98e9, rel=5e-3)
     # The bf16 weights alone are 138 GB; a process that stays under 3 GB has allocated none of them.
     assert 0 < peak < 3 * 2**30
+
+
+def test_a_plan_file_for_more_devices_than_the_processes_asked_for_is_refused_before_launch(tmp_path, capsys):
+    from nbtrain.planner.strategy import Plan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(Plan.parse("dp_shard=8", num_devices=8, num_layers=6).to_json())
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('launched')\n")
+    assert main(["run", str(script), "--plan", str(plan), "--processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"nbtrain: error: the plan in {plan} is for 8 devices but --processes asks for 2; leave out "
+                   f"--processes to launch 8, or write the plan for 2 (nbtrain plan MODEL --gpus 2 ... --json > "
+                   f"{plan})\n")
+
+
+@pytest.mark.slow
+def test_a_script_that_raises_in_a_worker_ends_with_one_line_under_the_ranks_traceback(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed as dist\n"
+                      "if dist.get_rank() == 1:\n"
+                      "    raise ValueError('bad input on rank 1')\n")
+    status, _, err, _ = run_cli("run", str(script), "--processes", "2")
+    assert status == 2
+    *above, last = err.strip().splitlines()
+    assert last.startswith("nbtrain: error: rank 1 of 2 failed: ValueError: bad input on rank 1")
+    assert "Traceback" not in last
+    assert f'File "{script}", line 3, in <module>' in "\n".join(above)
+
+
+def test_a_worker_errors_line_is_its_message_without_the_traceback_and_keeps_what_follows_it():
+    traceback = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nValueError: bad'
+    error = WorkerError("rank 1 of 2 failed: ValueError: bad; the other workers were stopped. Traceback of rank 1:\n"
+                        f"{traceback} The last complete checkpoint is ckpt/step-2.", 1, traceback)
+    assert error.summary == ("rank 1 of 2 failed: ValueError: bad; the other workers were stopped. The last complete "
+                             "checkpoint is ckpt/step-2.")
+    assert WorkerError("rank 0 of 2 died with signal SIGKILL", 0).summary == "rank 0 of 2 died with signal SIGKILL"

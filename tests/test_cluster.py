@@ -125,7 +125,8 @@ def test_zero_devices_is_an_error():
 
 
 def test_devices_that_do_not_fill_whole_nodes_are_an_error_that_shows_the_arithmetic():
-    with pytest.raises(InvalidArgumentError, match=r"12 = 1 × 8 \+ 4.*devices_per_node=6"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"12 = 1 × 8 \+ 4; use a multiple of 8 devices or 6 devices per node"):
         Cluster.from_catalog("H100", num_devices=12)
     assert Cluster.from_catalog("H100", num_devices=12, devices_per_node=6).num_nodes == 2
 

@@ -432,9 +432,14 @@ def test_a_plan_for_another_layer_count_is_rejected():
 
 def test_tensor_parallel_degree_must_divide_the_attention_heads():
     model = cost_model(prof=toy(n_head=12, n_kv_head=6))
-    with pytest.raises(InvalidPlanError, match=re.escape("layer 0: tp=4 does not divide the 6 attention heads")):
+    with pytest.raises(InvalidPlanError, match=re.escape(
+            "layer 1 (blocks.0) of toy: tp=4 does not divide the 6 key/value heads (12 query heads share them); "
+            "use a tp that divides 6: 1, 2, 3 or 6")):
         model.estimate(plan(S(dp_replicate=2, tp=4), global_batch=16))
     model.estimate(plan(S(dp_replicate=4, tp=2), global_batch=16))  # 2 divides 6
+    # the embedding and the head split the vocabulary, not heads: any tp
+    model.estimate(plan(S(dp_replicate=2, tp=4), S(dp_replicate=4, tp=2), S(dp_replicate=4, tp=2),
+                        S(dp_replicate=2, tp=4), global_batch=16))
 
 
 def test_global_batch_must_be_divisible_by_microbatches_times_dp():

@@ -95,6 +95,32 @@ def test_the_model_can_be_named_when_the_cell_makes_several(shell):
     ("--gpus 8 --memory 1MiB", TINY, "no plan fits 1.00 MiB per device"),
     ("--gpus 2 --gpu TPU", TINY, "TPU"),
     ("--gpus 2 --data nothing", TINY, "--data nothing: no variable 'nothing'"),
+    ("--gpus 2 --memory 40", TINY, "InvalidArgumentError: '40' has no unit; write '40GiB'"),
+    ('--gpus 8 --batch 16 --strategy "tp=8"', TINY,
+     "InvalidPlanError: layer 1 (blocks.0) of model: tp=8 does not divide the 4 attention heads; use a tp that divides "
+     "4: 1, 2 or 4"),
+    ("--gpus 2 --lr -1", TINY, "--lr -1: the learning rate must be a positive number"),
+    ("--gpus 2 --timeout 0", TINY, "--timeout 0: must be a positive number of seconds"),
+    ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches",
+     TINY + "import torch\nbatches = [(torch.rand(4, 32), torch.zeros(4, 32, dtype=torch.long))]\n",
+     "InvalidArgumentError: batch of step 0: ids have dtype torch.float32; token ids must be an integer tensor"),
+    ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches",
+     TINY + "import torch\nbatches = [(torch.zeros(32, dtype=torch.long),) * 2]\n",
+     "InvalidArgumentError: batch of step 0: ids have shape (32); token ids are one row per sequence"),
+    ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches",
+     TINY + "import torch\nbatches = [(torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 31, dtype=torch.long))]\n",
+     "InvalidArgumentError: batch of step 0: targets have shape (4, 31) but ids (4, 32)"),
+    ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches",
+     TINY + "import torch\nbatches = [(torch.full((4, 32), 256), torch.zeros(4, 32, dtype=torch.long))]\n",
+     "InvalidArgumentError: batch of step 0: ids range from 256 to 256 but the model takes ids 0 to 255"),
+    ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches",
+     TINY + "import torch\nbatches = [(torch.zeros(3, 32, dtype=torch.long),) * 2]\n",
+     "InvalidPlanError: --data: batches of 3 rows do not split under the plan scaled to 2 processes: global_batch=3 "
+     "is not divisible by"),
+    ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches", TINY + "batches = []\n",
+     "InvalidArgumentError: --data holds no batches"),
+    ("--gpus 2 -q --launch --processes 2", "import torch\nnet = torch.nn.Sequential(torch.nn.Linear(8, 8))\n",
+     "InvalidPlanError: the executor runs nbtrain's GPT and Hugging Face GPT-2 and Llama models"),
 ])
 def test_mistakes_end_the_cell_with_one_usage_error_and_the_notebook_keeps_its_state(shell, capsys, line, body,
                                                                                      message):
@@ -139,7 +165,7 @@ def _failing_loss(output, targets):
 
 
 @pytest.mark.slow
-def test_a_worker_that_raises_ends_the_cell_with_its_rank_and_error_and_no_process_is_left(shell):
+def test_a_worker_that_raises_ends_the_cell_with_its_rank_and_error_and_no_process_is_left(shell, capsys):
     from IPython.core.error import UsageError
 
     shell.user_ns["bad_loss"] = _failing_loss
@@ -148,6 +174,8 @@ def test_a_worker_that_raises_ends_the_cell_with_its_rank_and_error_and_no_proce
     assert isinstance(result.error_in_exec, UsageError)
     message = str(result.error_in_exec)
     assert message.startswith("WorkerError: rank 1 of 2 failed: ValueError: this loss fails on rank 1"), message
+    assert "\n" not in message and "Traceback" not in message  # the traceback is shown above the line
+    assert 'in _failing_loss\n    raise ValueError("this loss fails on rank 1")' in capsys.readouterr().err
     assert set(multiprocessing.active_children()) - before == set()
 
 

@@ -91,3 +91,33 @@ def test_a_model_without_a_tensor_parallel_split_refuses_tp_with_the_reason():
     plan = Plan.parse("0: dp_replicate=2; 1-2: tp=2; 3: dp_replicate=2", num_devices=2, num_layers=4)
     with pytest.raises(InvalidPlanError, match="layer 1 asks for tp=2, but GPT-2's fused"):
         check_plan(model, plan)
+
+
+@pytest.mark.parametrize("build,devices,plan,message", [
+    (llama, 4, "0: dp_replicate=4; 1-2: tp=4; 3: dp_replicate=4",
+     "layer 1 (blocks.0) of GPT: tp=4 does not divide the 2 key/value heads (4 query heads share them); use a tp "
+     "that divides 2: 1 or 2"),
+    (gpt, 3, "0-1: dp_replicate=3; 2: tp=3; 3: dp_replicate=3",
+     "layer 2 (blocks.1) of GPT: tp=3 does not divide the 4 attention heads; use a tp that divides 4: 1, 2 or 4"),
+    (hf_llama, 4, "0: dp_replicate=4; 1-2: tp=4; 3: dp_replicate=4",
+     "layer 1 (model.layers.0) of LlamaForCausalLM: tp=4 does not divide the 2 key/value heads"),
+])
+def test_a_tp_degree_that_does_not_divide_a_blocks_heads_is_refused_before_launch(build, devices, plan, message):
+    if build is hf_llama:
+        pytest.importorskip("transformers")
+    from nbtrain.errors import InvalidPlanError
+    from nbtrain.planner.strategy import Plan
+    from nbtrain.run.parallelize import check_plan
+
+    with pytest.raises(InvalidPlanError) as error:
+        check_plan(build(), Plan.parse(plan, num_devices=devices, num_layers=4))
+    assert str(error.value).startswith(message)
+
+
+def test_tp_that_divides_the_heads_and_tp_of_the_embedding_and_head_pass_the_check():
+    from nbtrain.planner.strategy import Plan
+    from nbtrain.run.parallelize import check_plan
+
+    # 4 ways over the vocabulary of the embedding and the head is no head split; 2 divides the 2 key/value heads
+    plan = Plan.parse("0: tp=4; 1-2: dp_replicate=2 tp=2; 3: tp=4", num_devices=4, num_layers=4)
+    assert check_plan(llama(), plan) is False  # not tied

@@ -195,7 +195,9 @@ class Embedding(nn.Module):
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.shape[1]
         if T > self.block_size:
-            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.block_size}")
+            raise InvalidArgumentError(f"sequence length {T} exceeds the model's block_size {self.block_size}; "
+                                       f"give rows of at most {self.block_size} tokens, or build the model with "
+                                       f"block_size ≥ {T}")
         x = self.wte(idx)
         if self.wpe is not None:
             positions = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)

@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch import nn
 
-from nbtrain.errors import InvalidArgumentError
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 
 LOCAL_SEQ = 128
 """Longest sequence a launch here trains on when the cell gives no data: CPU steps at 1024 tokens take seconds."""
@@ -116,9 +116,10 @@ def _dtype(text: str) -> str:
 
 
 def vocab_size(model: nn.Module) -> int:
-    from nbtrain.models.adapters import detect_family
+    """The token ids to make batches for ``model`` with, or an error saying to give data (``--data``)."""
+    from nbtrain.run.batches import model_vocab_size
 
-    vocab = detect_family(model).vocab_size
+    vocab = model_vocab_size(model)
     if not vocab:
         raise InvalidArgumentError(f"{type(model).__name__} is not a language model nbtrain knows, so it cannot "
                                    "make batches for it; pass --data NAME (a list of (inputs, targets) batches)")
@@ -133,10 +134,22 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     from nbtrain.demo import stdlib_batches
     from nbtrain.planner.scale import scale_plan
     from nbtrain.profiler.model import lm_loss
+    from nbtrain.run.batches import check_batch, model_vocab_size
+    from nbtrain.run.parallelize import layer_modules
 
+    layer_modules(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
-        ids, _ = (data(0) if callable(data) else next(iter(data)))
-        local = scale_plan(plan, processes, global_batch=ids.shape[0], seq_len=ids.shape[1])
+        first = data(0) if callable(data) else next(iter(data), None)
+        if first is None:
+            raise InvalidArgumentError("--data holds no batches; give a list of (ids, targets) global batches, or a "
+                                       "function step → batch")
+        ids, _ = check_batch(first, step=0, global_batch=None, seq_len=None, vocab_size=model_vocab_size(model),
+                             lm_targets=loss_fn is None)
+        try:
+            local = scale_plan(plan, processes, global_batch=ids.shape[0], seq_len=ids.shape[1])
+        except InvalidPlanError as error:  # the data's rows are the global batch: say so
+            raise InvalidPlanError(f"--data: batches of {ids.shape[0]} rows do not split under the plan scaled to "
+                                   f"{processes} processes: {error}") from None
     else:
         seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
         local = scale_plan(plan, processes, seq_len=seq)

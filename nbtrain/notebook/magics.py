@@ -6,18 +6,21 @@
     model = nbtrain.GPT(nbtrain.GPTConfig(n_layer=12, n_head=12, n_embd=768))
 
 ``%%autoparallel?`` prints every flag. A flag's value may be a ``$variable`` (IPython expands it). Mistakes
-(no model, two models, a bad flag, nothing fits, a worker that raises) end the cell with one ``UsageError`` line;
-the kernel and everything in the notebook stay as they were, except what the cell body itself assigned.
+(no model, two models, a bad flag, nothing fits, a batch of the wrong shape, a worker that raises: its traceback
+above the line) end the cell with one ``UsageError`` line; the kernel and everything in the notebook stay as they
+were, except what the cell body itself assigned.
 """
 
 from __future__ import annotations
+
+import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from nbtrain.errors import NbtrainError
+from nbtrain.errors import NbtrainError, WorkerError
 
 
 def _show(table) -> None:
@@ -76,6 +79,10 @@ class AutoparallelMagics(Magics):
         args = _unquoted(parse_argstring(self.autoparallel, line))
         try:
             return self._run(args, cell)
+        except WorkerError as error:  # the failing rank's traceback as output, then the one line
+            if error.worker_traceback:
+                print(f"Traceback of rank {error.rank}:\n{error.worker_traceback}", file=sys.stderr)
+            raise UsageError(f"{type(error).__name__}: {error.summary}") from None
         except NbtrainError as error:
             raise UsageError(f"{type(error).__name__}: {error}") from None
 
@@ -179,6 +186,11 @@ def _check_counts(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
+    if not args.lr > 0:
+        raise UsageError(f"--lr {args.lr:g}: the learning rate must be a positive number, e.g. --lr 3e-4")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be a positive number of seconds; leave it out for no "
+                         "limit")
 
 
 def load_ipython_extension(ipython) -> None:

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.planner.strategy import Plan, Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 
@@ -345,14 +345,16 @@ class CostModel:
         if plan.num_layers != len(self.profile.layers):
             raise InvalidPlanError(f"the plan has {plan.num_layers} layers but {self.profile.model} has "
                                    f"{len(self.profile.layers)} (embeddings, blocks, head)")
-        heads = self.profile.arch.get("n_kv_head") or self.profile.arch.get("n_head")
-        cannot = self.profile.arch.get("no_tensor_parallel")
+        arch = self.profile.arch
+        cannot = arch.get("no_tensor_parallel")
         for i, s in enumerate(plan.layers):
             if s.tp > 1 and cannot:
                 raise InvalidPlanError(f"layer {i}: tp={s.tp}, but {cannot}; use tp=1")
-            if s.tp > 1 and heads and heads % s.tp:
-                raise InvalidPlanError(f"layer {i}: tp={s.tp} does not divide the {heads} attention heads "
-                                       f"({self.profile.model}); use a tp that divides {heads}")
+            layer = self.profile.layers[i]
+            problem = head_split_problem(s.tp, arch.get("n_head"), arch.get("n_kv_head")) \
+                if layer.kind == "block" else ""  # the embedding and the head split the vocabulary, not heads
+            if problem:
+                raise InvalidPlanError(f"layer {i} ({layer.name}) of {self.profile.model}: {problem}")
             if self.global_batch % (plan.microbatches * s.dp):
                 raise InvalidPlanError(
                     f"layer {i}: global batch {self.global_batch} is not divisible by microbatches × dp = "

@@ -341,6 +341,29 @@ class Plan:
         return cls.from_dict(json.loads(text), prediction_type)
 
 
+def head_split_problem(tp: int, n_head: int | None, n_kv_head: int | None = None) -> str:
+    """Why tensor parallelism of degree ``tp`` cannot give every rank whole attention heads, or ``""`` when it can.
+
+        >>> head_split_problem(8, 12)
+        'tp=8 does not divide the 12 attention heads; use a tp that divides 12: 1, 2, 3, 4, 6 or 12'
+        >>> head_split_problem(2, 64, 8)
+        ''
+
+    Megatron's split gives each rank ``n_head / tp`` query heads and ``n_kv_head / tp`` key/value heads (Shoeybi et
+    al. 2019, §3), so ``tp`` must divide the key/value heads, which divide the query heads. Unknown heads: ``""``."""
+    heads = n_kv_head or n_head
+    if tp <= 1 or not heads or heads % tp == 0:
+        return ""
+    plural = "s" if heads > 1 else ""
+    which = f"{heads} key/value head{plural} ({n_head} query heads share them)" if heads != n_head else \
+        f"{heads} attention head{plural}"
+    divisors = [str(d) for d in range(1, heads + 1) if heads % d == 0]
+    if len(divisors) == 1:
+        return f"tp={tp} does not divide the {which}; use tp=1"
+    return f"tp={tp} does not divide the {which}; use a tp that divides {heads}: " \
+           f"{', '.join(divisors[:-1])} or {divisors[-1]}"
+
+
 def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = None, max_dp: int | None = None,
                    offload_levels=(0.0,), allow_ac: bool = True, zero_levels=(2, 3)) -> list[Strategy]:
     """Every strategy one layer may take on ``devices`` devices (one pipeline stage), pruned as Galvatron does:

@@ -211,7 +211,7 @@ class Cluster:
             raise InvalidArgumentError(
                 f"{self.num_devices} devices do not fill nodes of {self.devices_per_node}: {self.num_devices} = "
                 f"{nodes} × {self.devices_per_node} + {rest}; use a multiple of {self.devices_per_node} devices "
-                f"or devices_per_node={fits}")
+                f"or {fits} devices per node")
         return nodes
 
     @property

@@ -212,7 +212,17 @@ def _measure_device(measure: bool | str) -> torch.device | None:
         return None
     if measure is True:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(measure)
+    try:
+        device = torch.device(measure)
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"cannot measure on {measure!r}: name a torch device such as 'cpu' or 'cuda' "
+                                   "(or none: cuda when there is one, else cpu)") from None
+    try:
+        torch.empty(0, device=device)  # the layers are about to be timed there anyway
+    except (RuntimeError, AssertionError, NotImplementedError):
+        raise InvalidArgumentError(f"cannot measure on {measure!r}: this machine has no such device; measure on "
+                                   "'cpu', or profile without measuring (the FLOPs and bytes need no device)") from None
+    return device
 
 
 def _materialized(step: Step, device: torch.device) -> Step:

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import detect_family, has_submodule
-from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.planner.strategy import Plan, Strategy, head_split_problem
 from nbtrain.run.mesh import PlanMeshes
 from nbtrain.run.relayout import add_relayout
 
@@ -183,11 +183,18 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
                                "executor runs the CPU update offload with data parallelism (dp_replicate, dp_shard) "
                                "in one pipeline stage, not yet with tensor or pipeline parallelism; plan with "
                                "SearchOptions(offload_levels=(0.0,)) or remove 'offload=' from the plan")
-    reason = detect_family(model).no_tensor_parallel
+    family = detect_family(model)
+    reason = family.no_tensor_parallel
     split = [i for i, s in enumerate(plan.layers) if s.tp > 1]
     if split and reason:
         raise InvalidPlanError(f"layer {split[0]} asks for tp={plan.layers[split[0]].tp}, but {reason}; "
                                "use tp=1 (nbtrain.plan does not search tensor parallelism for this model)")
+    for i in split:
+        if 0 < i < plan.num_layers - 1:  # a block; the embedding and the head split the vocabulary, not heads
+            problem = head_split_problem(plan.layers[i].tp, family.n_head, family.n_kv_head)
+            if problem:
+                raise InvalidPlanError(f"layer {i} ({family.blocks_path}.{i - 1}) of {type(model).__name__}: "
+                                       f"{problem}")
     tied = _tied(layers)
     if tied:
         first, last = plan.layers[0], plan.layers[-1]

@@ -84,11 +84,16 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
            lr: float = 1e-2, seed: int = 0, timeout: float = 600) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
     ``processes`` processes, from the same initial weights and batches; compare."""
+    from nbtrain.errors import InvalidArgumentError
+    from nbtrain.run.batches import model_vocab_size
     from nbtrain.run.fit import fit
 
     reference_model = _build(model, seed)
     initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
-    vocab = reference_model.config.vocab_size
+    vocab = model_vocab_size(reference_model)
+    if not vocab:
+        raise InvalidArgumentError(f"{model} gives {type(reference_model).__name__}, which takes no token ids; "
+                                   "verify trains language models (nbtrain's GPT, Hugging Face GPT-2 and Llama)")
     data = _batches(vocab, batch, seq)
     optimizer = torch.optim.AdamW(reference_model.parameters(), lr=lr)
     reference = []
