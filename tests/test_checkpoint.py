@@ -156,3 +156,10 @@ def test_only_complete_checkpoints_count(tmp_path):
     (tmp_path / "step-00000008").mkdir()                 # shards without nbtrain.json: not complete either
     (tmp_path / "step-00000008" / ".metadata").write_bytes(b"")
     assert CheckpointFolder(tmp_path).latest() is None
+
+
+def test_resuming_a_finished_run_trains_nothing_and_gives_back_its_weights(tmp_path):
+    finished, trained, _ = train("ac", 1, steps=2, checkpoint_dir=tmp_path)
+    again, model, _ = train("ac", 1, steps=2, checkpoint_dir=tmp_path, resume=True)  # a fresh model: same seed
+    assert again.resumed_at == 2 and again.losses == finished.losses
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in model.state_dict().items())

@@ -44,25 +44,31 @@ class Progress:
     schedule_epoch: int = 0
     """Steps of the learning-rate schedule taken (skipped steps take none)."""
     rng_state: torch.Tensor | None = None
-    """Rank 0's torch RNG state after the step (every rank of a run is seeded alike)."""
+    """Rank 0's torch CPU RNG state after the step (every rank of a run is seeded alike)."""
+    cuda_rng_state: torch.Tensor | None = None
+    """Rank 0's CUDA RNG state (its device's), on GPUs."""
     records: list[StepRecord] = field(default_factory=list)
     plan: str = ""
     num_processes: int = 0
 
     def to_json(self) -> dict:
-        rng = None if self.rng_state is None else base64.b64encode(self.rng_state.numpy().tobytes()).decode()
         return {"format": FORMAT, "step": self.step, "data_position": self.step,
-                "schedule_epoch": self.schedule_epoch, "rng_state": rng, "plan": self.plan,
+                "schedule_epoch": self.schedule_epoch, "rng_state": _encode(self.rng_state),
+                "cuda_rng_state": _encode(self.cuda_rng_state), "plan": self.plan,
                 "num_processes": self.num_processes, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "records": [asdict(r) for r in self.records]}
 
     @classmethod
     def from_json(cls, data: dict) -> Progress:
-        rng = data.get("rng_state")
-        state = None if rng is None else torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8)
-        return cls(data["step"], data.get("schedule_epoch", 0), state,
-                   [StepRecord(**r) for r in data.get("records", [])], data.get("plan", ""),
-                   data.get("num_processes", 0))
+        return cls(data["step"], data.get("schedule_epoch", 0), _decode(data.get("rng_state")),
+                   _decode(data.get("cuda_rng_state")), [StepRecord(**r) for r in data.get("records", [])],
+                   data.get("plan", ""), data.get("num_processes", 0))
+
+    @staticmethod
+    def random_states() -> dict:
+        """This process's RNG states, as ``Progress(rng_state=..., cuda_rng_state=...)`` takes them."""
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return {"rng_state": torch.get_rng_state(), "cuda_rng_state": cuda}
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ class Checkpoint:
         progress = self.progress()
         if progress.rng_state is not None:
             torch.set_rng_state(progress.rng_state)
+        if progress.cuda_rng_state is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(progress.cuda_rng_state)
         return progress
 
 
@@ -180,6 +188,14 @@ def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
         if saved[name] != shape:
             raise CheckpointError(f"{where}: {name} has shape {saved[name]} there and {shape} here; resume with the "
                                   "model that saved it, or start afresh in another checkpoint_dir")
+
+
+def _encode(state: torch.Tensor | None) -> str | None:
+    return None if state is None else base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode(text: str | None) -> torch.Tensor | None:
+    return None if text is None else torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def _some(names: list[str]) -> str:

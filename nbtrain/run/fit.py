@@ -189,8 +189,8 @@ def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> lis
             bar.set_postfix(loss=f"{record.loss:.4f}")
         done = trainer.steps_done
         if folder is not None and (done == run.steps or (run.checkpoint_every and done % run.checkpoint_every == 0)):
-            folder.save(state, Progress(done, trainer.schedule_epoch, torch.get_rng_state(), records, str(plan),
-                                        dist.get_world_size()))
+            folder.save(state, Progress(done, trainer.schedule_epoch, records=records, plan=str(plan),
+                                        num_processes=dist.get_world_size(), **Progress.random_states()))
     if bar is not None:
         bar.close()
     return records
