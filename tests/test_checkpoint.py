@@ -139,6 +139,7 @@ def test_resume_without_a_checkpoint_yet_starts_afresh(tmp_path, capsys):
     result, _, _ = train("ac", 1, steps=1, checkpoint_dir=tmp_path / "new", resume=True)
     assert result.resumed_at == 0 and "training from step 0" in capsys.readouterr().out
     assert result.checkpoint.endswith(f"step-{1:08d}")
+    assert result.records[-1].checkpoint_s > 0 and "checkpoints saved: 1" in str(result)  # its cost is shown
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -13,9 +13,11 @@ its copy, trains, and rank 0 gathers the full state dict, which is loaded back i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -86,7 +88,11 @@ class FitResult:
         if self.resumed_at:
             t.footer.append(f"resumed after step {self.resumed_at}: the steps up to it were measured by the run "
                             "that saved the checkpoint")
-        if self.checkpoint:
+        saves = [r.checkpoint_s for r in self.records if r.checkpoint_s is not None and r.step > self.resumed_at]
+        if saves:
+            t.footer.append(f"checkpoints saved: {len(saves)}, {format_seconds(statistics.median(saves))} each "
+                            f"(median; not in the step times); last: {self.checkpoint}")
+        elif self.checkpoint:
             t.footer.append(f"last checkpoint: {self.checkpoint}")
         if self.save_dir:
             t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "
@@ -189,8 +195,10 @@ def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> lis
             bar.set_postfix(loss=f"{record.loss:.4f}")
         done = trainer.steps_done
         if folder is not None and (done == run.steps or (run.checkpoint_every and done % run.checkpoint_every == 0)):
+            started = time.perf_counter()
             folder.save(state, Progress(done, trainer.schedule_epoch, records=records, plan=str(plan),
                                         num_processes=dist.get_world_size(), **Progress.random_states()))
+            records[-1] = dataclasses.replace(record, checkpoint_s=time.perf_counter() - started)
     if bar is not None:
         bar.close()
     return records

@@ -46,6 +46,8 @@ class StepRecord:
     """Total gradient norm before clipping, when clipping is on."""
     skipped: bool = False
     """The loss was not finite and the update was skipped (``on_nonfinite="skip"``)."""
+    checkpoint_s: float | None = None
+    """Seconds a checkpoint saved after this step took (not in ``seconds``), when one was."""
 
 
 def clip_grad_norm(parameters, max_norm: float, pipeline_group=None) -> float:
