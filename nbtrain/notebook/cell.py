@@ -127,9 +127,11 @@ def vocab_size(model: nn.Module) -> int:
 
 
 def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
-               lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None):
+               lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
+               checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False):
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
-    are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted)."""
+    are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
+    ``checkpoint_dir``, ``checkpoint_every`` and ``resume`` are :func:`nbtrain.fit`'s."""
     import nbtrain
     from nbtrain.demo import stdlib_batches
     from nbtrain.planner.scale import scale_plan
@@ -157,4 +159,5 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     # this machine's cluster, for the prediction beside the measurement (fit narrows it to the processes)
     here = nbtrain.Cluster.detect(calibrate=False)
     return nbtrain.fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
-                       loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout)
+                       loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
+                       checkpoint_every=checkpoint_every, resume=resume)
