@@ -201,3 +201,30 @@ def test_a_non_finite_step_can_be_skipped_and_training_goes_on_as_if_it_had_not_
     assert [r.skipped for r in skipped.records] == [False, True, False]
     assert skipped.losses[0] == pytest.approx(clean.losses[0], rel=1e-6)
     assert skipped.losses[2] == pytest.approx(clean.losses[1], rel=1e-5)
+
+
+def test_a_bad_batch_in_a_list_is_refused_before_anything_is_launched():
+    from nbtrain.errors import InvalidArgumentError
+
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    data = tiny_batches(512, n=3)
+    data[2] = (data[2][0].float(), data[2][1])
+    with pytest.raises(InvalidArgumentError, match="batch of step 2: ids have dtype torch.float32"):
+        nbtrain.fit(model, data, plan="dp_replicate=2", steps=4, num_processes=2)
+    data[2] = (data[2][0].long() + 512, data[2][1])  # past the vocabulary
+    with pytest.raises(InvalidArgumentError, match="batch of step 2: .*512"):
+        nbtrain.fit(model, data, plan="dp_replicate=2", steps=4, num_processes=2)
+
+
+def test_a_bad_batch_from_a_function_stops_the_run_at_its_step():
+    from nbtrain.errors import InvalidArgumentError
+
+    batches = tiny_batches(512, n=1)
+
+    def data(step):
+        ids, targets = batches[0]
+        return (ids[:, :8], targets) if step == 1 else (ids, targets)  # targets no longer match the ids
+
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    with pytest.raises(InvalidArgumentError, match="batch of step 1: targets"):
+        nbtrain.fit(model, data, plan="ac", steps=3, num_processes=1, progress=False)

@@ -85,7 +85,7 @@ def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | N
     others = sorted(r for r in reports if r != rank)
     also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
     return WorkerError(f"rank {rank} of {num_processes} failed: {text.splitlines()[-1]}{also}; the other workers "
-                       f"were stopped. Fix the function and launch again. Traceback of rank {rank}:\n{text}",
+                       f"were stopped. Fix the cause and run again. Traceback of rank {rank}:\n{text}",
                        rank, text)
 
 

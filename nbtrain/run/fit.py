@@ -28,6 +28,7 @@ from torch import nn
 from nbtrain.errors import CheckpointError, InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
+from nbtrain.run.batches import check_batch, model_vocab_size
 from nbtrain.run.trainer import StepRecord
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
@@ -108,13 +109,33 @@ class FitResult:
         return self.table()._repr_html_()
 
 
+class _CheckedBatches:
+    """A batch function whose every batch is checked (``check_batch``) before a step takes it."""
+
+    def __init__(self, get_batch: Callable[[int], tuple], shape: dict):
+        self.get_batch, self.shape = get_batch, shape
+
+    def __call__(self, step: int) -> tuple:
+        return check_batch(self.get_batch(step), step=step, **self.shape)
+
+
 def _batch_source(data, steps: int) -> Callable[[int], tuple]:
     if callable(data):
         return data
     items = list(data) if not isinstance(data, (list, tuple)) else data
     if not items:
         raise InvalidArgumentError("no batches given: pass a list of (ids, targets) or a function step -> batch")
-    return lambda step: items[step % len(items)]
+    return _ListedBatches(items)
+
+
+class _ListedBatches:
+    """Batch ``step`` of a list, which the run goes through again and again."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __call__(self, step: int) -> tuple:
+        return self.items[step % len(self.items)]
 
 
 @dataclass(frozen=True)
@@ -249,7 +270,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
     get_batch = _batch_source(data, steps)
-    ids, _ = get_batch(0)
+    lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
+    ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
+                         lm_targets=lm_targets)
     if isinstance(plan, str):
         plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_modules(model)),
                           global_batch=ids.shape[0], seq_len=ids.shape[1])
@@ -260,6 +283,15 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     if plan.global_batch is None:
         plan = plan.replace(global_batch=ids.shape[0], seq_len=ids.shape[1])
     check_plan(model, plan)  # here, not in the workers: a plan the model cannot take is one clear error
+    # every batch with the plan's rows (a pipeline's stages also take the first batch's length), ids in the vocabulary:
+    # a list here, all of it; batches a function makes, in the workers as they come
+    shape = dict(global_batch=plan.global_batch, seq_len=plan.seq_len if plan.pp > 1 else None, vocab_size=vocab,
+                 lm_targets=lm_targets)
+    if isinstance(get_batch, _ListedBatches):
+        for step in range(min(steps, len(get_batch.items))):
+            check_batch(get_batch(step), step=step, **shape)
+    else:
+        get_batch = _CheckedBatches(get_batch, shape)
     predicted = predicted_memory = None
     if cluster is not None:
         import nbtrain

@@ -116,6 +116,11 @@ def rank_print(*args: Any, sep: str = " ", end: str = "\n", file=None) -> None:
 
 
 def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gpus):
+    # imported before _launch_env, which quiets torch elastic's loggers: importing creates them
+    from accelerate import notebook_launcher  # noqa: F401
+    from torch.distributed.elastic.multiprocessing import api  # noqa: F401
+    from torch.distributed.launcher import api as launcher_api  # noqa: F401
+
     before = set(multiprocessing.active_children())
     timed_out = threading.Event()
     with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, _launch_env(gpus == 0):
