@@ -345,6 +345,10 @@ def _checkpoints(model: nn.Module, checkpoint_dir, every, resume: bool):
             print(f"no complete checkpoint in {folder.path} yet: training from step 0", flush=True)
         return folder, None
     check_same_model(latest, model)
+    for stale in folder.partial():
+        if int(stale.name[5:13]) > latest.step:
+            print(f"note: {stale.name} was never completed (a worker stopped while saving it); it is not used",
+                  flush=True)
     saved = latest.progress()
     print(f"resuming from {latest.path}: step {latest.step}, saved under '{saved.plan}' in {saved.num_processes} "
           "process(es)", flush=True)
