@@ -3,8 +3,11 @@
     python bench/soak.py            # 50 launches of 2 workers, ~2 min on 2 cores; a table on stdout
     python bench/soak.py 200        # more
 
-Each launch is ``nbtrain.fit`` of a tiny GPT for 2 steps under ``dp_replicate=2`` in 2 forked gloo workers, every
-tenth one a worker that raises instead (the failure path must clean up too). After each, from ``/proc``: this
+Each launch is ``nbtrain.fit`` of a tiny GPT for 2 steps under ``dp_replicate=2`` in 2 forked gloo workers; in every
+ten, the failure paths must clean up too: one launch's worker raises, one worker is killed by SIGKILL, one training
+with checkpoints is interrupted (rank 0 sends this process SIGINT, as a notebook's stop button does) and the next
+resumes it. Each error is kept until the next one, as a notebook keeps the last (an error that held the launch's
+port would show as a listening socket). After each, from ``/proc``: this
 process's live children, its open file descriptors, the TCP sockets of this machine in LISTEN state (a rendezvous
 port left open would stay there), and this process's resident memory. Passes when no child, descriptor or
 listening socket is left beyond what there was after the first launch, and the resident memory grew by less than
@@ -14,10 +17,13 @@ listening socket is left beyond what there was after the first launch, and the r
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 import nbtrain
 from nbtrain.errors import WorkerError
@@ -63,22 +69,45 @@ def failing_worker():
     raise RuntimeError("a worker that fails on purpose")
 
 
+def with_fault(data, fault: str):
+    """``data`` as a function, with rank ``1`` killed (``"kill"``) or rank 0 interrupting this process
+    (``"interrupt"``) at batch 1."""
+    def batch(step):
+        if step == 1 and fault == "kill" and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 1 and fault == "interrupt" and dist.get_rank() == 0:
+            os.kill(os.getppid(), signal.SIGINT)
+        return data[step % len(data)]
+    return batch
+
+
 def main(launches: int = 50) -> int:
     torch.manual_seed(0)
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 512, (4, 16), generator=g) for _ in range(2)]
     data = [(x, torch.roll(x, -1, 1)) for x in ids]
-    rows, failures = [], 0
+    rows, failures, kept = [], 0, None
+    checkpoints = tempfile.TemporaryDirectory(prefix="nbtrain-soak-")
+    run = dict(plan="dp_replicate=2", num_processes=2, progress=False, timeout=120)
     started = time.perf_counter()
     for i in range(launches):
-        if i % 10 == 9:
-            try:
+        try:
+            if i % 10 == 9:
                 launch(failing_worker, num_processes=2, timeout=120)
-            except WorkerError:
-                failures += 1
-        else:
-            nbtrain.fit(model, data, plan="dp_replicate=2", steps=2, num_processes=2, progress=False, timeout=120)
+            elif i % 10 == 3:
+                nbtrain.fit(model, with_fault(data, "kill"), steps=4, **run)
+            elif i % 10 == 5:
+                folder = os.path.join(checkpoints.name, str(i))
+                nbtrain.fit(model, with_fault(data, "interrupt"), steps=6, checkpoint_dir=folder, checkpoint_every=1,
+                            **run)
+            elif i % 10 == 6:  # resumes the interrupted one
+                nbtrain.fit(model, data, steps=6, checkpoint_dir=os.path.join(checkpoints.name, str(i - 1)),
+                            resume=True, **run)
+            else:
+                nbtrain.fit(model, data, steps=2, **run)
+        except (WorkerError, KeyboardInterrupt) as error:
+            failures, kept = failures + 1, error
         rows.append((i + 1, children(), open_fds(), listening_sockets(), rss_mib()))
     seconds = time.perf_counter() - started
     print(f"{'launch':>6} {'children':>8} {'fds':>5} {'listen':>6} {'rss MiB':>8}")
@@ -88,6 +117,8 @@ def main(launches: int = 50) -> int:
     warm = rows[max(0, launches // 10 - 1)]
     grew = last[4] - warm[4]
     leaks = {"children": last[1] - first[1], "fds": last[2] - first[2], "listening sockets": last[3] - first[3]}
+    checkpoints.cleanup()
+    print(f"last error kept: {type(kept).__name__}: {str(kept)[:100]}")
     print(f"\n{launches} launches ({failures} failing on purpose) in {seconds:.0f} s, {seconds / launches:.2f} s each; "
           f"left behind since the first: " + ", ".join(f"{k} {v:+d}" for k, v in leaks.items())
           + f"; resident memory {warm[4]:.1f} → {last[4]:.1f} MiB ({grew:+.1f}) after launch {warm[0]}")

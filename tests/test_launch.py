@@ -145,13 +145,15 @@ def listening(port: int) -> bool:
                for c in psutil.Process().net_connections(kind="tcp"))
 
 
-def test_a_failed_launch_frees_its_port_even_while_the_error_is_kept(no_process_left):
-    port = _free_port()
+def test_a_failed_launch_frees_its_port_and_descriptors_even_while_the_error_is_kept(no_process_left):
+    launch(noop, num_processes=2, timeout=LIMIT)  # what the first launch opens for good (imports, arenas)
+    fds, port = len(os.listdir("/proc/self/fd")), _free_port()
     with pytest.raises(WorkerError) as caught:
-        launch(boom_on_rank_1, num_processes=2, port=port, timeout=LIMIT)
+        launch(killed_on_rank_1, num_processes=2, port=port, timeout=LIMIT)
     kept = caught.value  # as IPython keeps the last error (sys.last_value)
     assert not listening(port), f"port {port} still open while {type(kept).__name__} is referenced"
-    assert launch(noop, num_processes=2, port=port, timeout=LIMIT) is None  # and it can be used again at once
+    assert len(os.listdir("/proc/self/fd")) == fds  # nor the workers' pipes
+    assert launch(noop, num_processes=2, port=port, timeout=LIMIT) is None  # and the port can be used again at once
 
 
 def test_workers_past_the_timeout_are_killed(no_process_left):

@@ -141,6 +141,7 @@ def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gp
         # context, whose frames hold the agent and its store, and the port would stay open for as long as the
         # error is kept (IPython keeps the last one).
         if error is not None:
+            del worker, watcher, timer  # the error's traceback keeps this frame: not the workers' pipes with it
             raise error
         result = Path(workdir) / "result.pkl"
         if not result.exists():
