@@ -65,7 +65,8 @@ class FitResult:
     @property
     def measured_step_s(self) -> float:
         """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
-        own = [r for r in self.records if r.step > self.resumed_at] or self.records
+        own = [r for r in self.records if r.step > self.resumed_at] if self.resumed_at else self.records
+        own = own or self.records
         times = [r.seconds for r in own[1:]] or [r.seconds for r in own]
         return statistics.median(times)
 
