@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nbtrain.errors import CheckpointError
+from nbtrain.errors import CheckpointError, InvalidArgumentError
 from nbtrain.run.trainer import StepRecord
 
 FORMAT = 1
@@ -154,7 +154,7 @@ class CheckpointFolder:
         for old in self.complete()[:-self.keep]:
             shutil.rmtree(old.path, ignore_errors=True)
         for stale in self.partial():
-            if int(stale.name[5:13]) < newest:
+            if _step_of(stale) < newest:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -196,6 +196,56 @@ def _encode(state: torch.Tensor | None) -> str | None:
 
 def _decode(text: str | None) -> torch.Tensor | None:
     return None if text is None else torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def folder_for_run(model: torch.nn.Module, checkpoint_dir, every, resume: bool):
+    """``fit``'s checkpoint folder and the checkpoint to start from (None: afresh), checked before launching."""
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise InvalidArgumentError(f"checkpoint_every must be a positive number of steps, got {every!r}")
+    if checkpoint_dir is None:
+        if every is not None or resume:
+            flag = "resume=True" if resume else f"checkpoint_every={every}"
+            raise InvalidArgumentError(f"{flag} needs checkpoint_dir: the folder the run's checkpoints go in")
+        return None, None
+    folder = CheckpointFolder(Path(checkpoint_dir).resolve())
+    latest = folder.latest()
+    if latest is not None and not resume:
+        raise CheckpointError(f"{folder.path} already holds checkpoints of a run (the newest after step "
+                              f"{latest.step}); pass resume=True to go on from it, or give another checkpoint_dir "
+                              "(nothing there was changed)")
+    if latest is None:
+        if resume:
+            print(f"no complete checkpoint in {folder.path} yet: training from step 0", flush=True)
+        return folder, None
+    check_same_model(latest, model)
+    for stale in folder.partial():
+        if _step_of(stale) > latest.step:
+            print(f"note: {stale.name} was never completed (a worker stopped while saving it); it is not used",
+                  flush=True)
+    saved = latest.progress()
+    print(f"resuming from {latest.path}: step {latest.step}, saved under '{saved.plan}' in {saved.num_processes} "
+          "process(es)", flush=True)
+    return folder, latest
+
+
+def with_resume_hint(error: BaseException, folder, steps: int) -> BaseException:
+    """``error`` with where the last complete checkpoint is and how to go on from it."""
+    latest = folder.latest()
+    if latest is None:
+        hint = f"No checkpoint in {folder.path} was completed before it stopped."
+    else:
+        hint = (f"The last complete checkpoint is {latest.path} (step {latest.step} of {steps}); go on from it under "
+                f"any plan and process count with fit(..., checkpoint_dir={str(folder.path)!r}, resume=True) or "
+                f"%%autoparallel --launch --resume {folder.path}")
+    if isinstance(error, KeyboardInterrupt):
+        return KeyboardInterrupt(f"training interrupted; the workers were stopped. {hint}")
+    error.args = (f"{error.args[0]} {hint}", *error.args[1:])
+    return error
+
+
+def _step_of(folder: Path) -> int:
+    """The step of ``step-NNNNNNNN`` or ``step-NNNNNNNN.partial``."""
+    return int(folder.name[len("step-"):len("step-") + 8])
 
 
 def _some(names: list[str]) -> str:

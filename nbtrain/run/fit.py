@@ -25,10 +25,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from nbtrain.errors import CheckpointError, InvalidArgumentError, InvalidPlanError, LaunchError
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.batches import check_batch, model_vocab_size
+from nbtrain.run.checkpoint import folder_for_run, with_resume_hint
 from nbtrain.run.trainer import StepRecord
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
@@ -305,7 +306,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     if on_nonfinite not in ("stop", "skip"):
         raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
-    folder, start = _checkpoints(model, checkpoint_dir, checkpoint_every, resume)
+    folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume)
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
                None if folder is None else str(folder.path), checkpoint_every,
@@ -316,56 +317,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     except (LaunchError, KeyboardInterrupt) as error:
         if folder is None:
             raise
-        raise _with_resume_hint(error, folder, steps) from None
+        raise with_resume_hint(error, folder, steps) from None
     if state is not None:
         model.load_state_dict(state)
     latest = folder.latest() if folder is not None else None
     return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
                      0 if start is None else start.step, None if latest is None else str(latest.path))
-
-
-def _checkpoints(model: nn.Module, checkpoint_dir, every, resume: bool):
-    """The run's checkpoint folder and the checkpoint to start from (None: afresh), checked before launching."""
-    from nbtrain.run.checkpoint import CheckpointFolder, check_same_model
-
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise InvalidArgumentError(f"checkpoint_every must be a positive number of steps, got {every!r}")
-    if checkpoint_dir is None:
-        if every is not None or resume:
-            flag = "resume=True" if resume else f"checkpoint_every={every}"
-            raise InvalidArgumentError(f"{flag} needs checkpoint_dir: the folder the run's checkpoints go in")
-        return None, None
-    folder = CheckpointFolder(Path(checkpoint_dir).resolve())
-    latest = folder.latest()
-    if latest is not None and not resume:
-        raise CheckpointError(f"{folder.path} already holds checkpoints of a run (the newest after step "
-                              f"{latest.step}); pass resume=True to go on from it, or give another checkpoint_dir "
-                              "(nothing there was changed)")
-    if latest is None:
-        if resume:
-            print(f"no complete checkpoint in {folder.path} yet: training from step 0", flush=True)
-        return folder, None
-    check_same_model(latest, model)
-    for stale in folder.partial():
-        if int(stale.name[5:13]) > latest.step:
-            print(f"note: {stale.name} was never completed (a worker stopped while saving it); it is not used",
-                  flush=True)
-    saved = latest.progress()
-    print(f"resuming from {latest.path}: step {latest.step}, saved under '{saved.plan}' in {saved.num_processes} "
-          "process(es)", flush=True)
-    return folder, latest
-
-
-def _with_resume_hint(error: BaseException, folder, steps: int) -> BaseException:
-    """``error`` with where the last complete checkpoint is and how to go on from it."""
-    latest = folder.latest()
-    if latest is None:
-        hint = f"No checkpoint in {folder.path} was completed before it stopped."
-    else:
-        hint = (f"The last complete checkpoint is {latest.path} (step {latest.step} of {steps}); go on from it under "
-                f"any plan and process count with fit(..., checkpoint_dir={str(folder.path)!r}, resume=True) or "
-                f"%%autoparallel --launch --resume {folder.path}")
-    if isinstance(error, KeyboardInterrupt):
-        return KeyboardInterrupt(f"training interrupted; the workers were stopped. {hint}")
-    error.args = (f"{error.args[0]} {hint}", *error.args[1:])
-    return error
