@@ -32,6 +32,16 @@ _PEER_LOST = re.compile(r"connection (reset|closed) by peer|socket closed|broken
                         r"communicator was aborted", re.IGNORECASE)
 
 
+def worker_processes(before: set) -> list[multiprocessing.Process]:
+    """This launch's worker processes (the children not in ``before``), read without reaping any.
+
+    ``multiprocessing.active_children()`` polls each child (``waitpid``); from a second thread that races elastic's
+    own ``join`` in the launching thread: whichever reaps a worker first, the other reads its exit code as None, and
+    elastic then fails with a TypeError instead of reporting the failure. The set of started processes is read as it
+    is instead (CPython's ``multiprocessing.process._children``, what ``active_children`` itself reads)."""
+    return [p for p in set(multiprocessing.process._children) if p not in before]
+
+
 class ChildWatcher:
     """Every process this launch forks (children that were not in ``before``), kept to read how each ended."""
 
@@ -47,7 +57,7 @@ class ChildWatcher:
             self._look()
 
     def _look(self) -> None:
-        for child in set(multiprocessing.active_children()) - self.before:
+        for child in worker_processes(self.before):
             self.processes.setdefault(child.pid, child)
 
     def stop(self) -> None:
@@ -55,7 +65,8 @@ class ChildWatcher:
         self._thread.join()
 
     def exit_codes(self, workdir) -> dict[int, int]:
-        """Rank → exit code of the workers that have ended (negative: the signal that ended it)."""
+        """Rank → exit code of the workers that have ended (negative: the signal that ended it). Read in the launching
+        thread once elastic has returned (it has joined every worker by then)."""
         ranks = {int(m.group(2)): int(m.group(1)) for m in map(STACK_FILE.fullmatch, os.listdir(workdir)) if m}
         codes = {}
         for pid, process in list(self.processes.items()):
@@ -125,7 +136,7 @@ def _notebook_cell_name():
 
 def dump_stacks(before: set, workdir) -> None:
     """Have each worker of this launch (children not in ``before``) dump its stacks (SIGUSR1); wait for the dumps."""
-    children = {child.pid for child in set(multiprocessing.active_children()) - before}
+    children = {child.pid for child in worker_processes(before)}
     files = {int(STACK_FILE.fullmatch(path.name).group(2)): path for path in Path(workdir).glob("rank*-pid*.stack")}
     # Only workers that registered the handler (their file is named): SIGUSR1 ends a process that has none.
     listening = {pid: path for pid, path in files.items() if pid in children}

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbtrain.errors import InvalidArgumentError, LaunchError
-from nbtrain.run.failures import ChildWatcher, dump_stacks, timeout_error, worker_error
+from nbtrain.run.failures import ChildWatcher, dump_stacks, timeout_error, worker_error, worker_processes
 
 # torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
@@ -293,11 +293,13 @@ def _dump_stacks_and_stop_workers(before, timed_out: threading.Event, workdir) -
     """Past the timeout: have each worker of this launch dump its stacks (SIGUSR1), wait for the dumps, kill them."""
     timed_out.set()
     dump_stacks(before, workdir)
-    _stop_workers(before)
+    for child in worker_processes(before):  # not joined here: elastic's join in the launching thread reaps them
+        child.kill()
 
 
 def _stop_workers(before) -> None:
-    """Kill the workers this launch started (children now that were not there before) and reap them."""
+    """Kill the workers this launch started (children now that were not there before) and reap them; in the launching
+    thread, once elastic has returned (``worker_processes``: why not from another thread)."""
     for child in set(multiprocessing.active_children()) - before:
         child.kill()
         child.join(5)
