@@ -116,9 +116,8 @@ class CheckpointFolder:
             return []
         found = []
         for child in self.path.iterdir():
-            match = _NAME.match(child.name)
-            if match and (child / META).is_file() and (child / ".metadata").is_file():
-                found.append(Checkpoint(child, int(match.group(1))))
+            if _NAME.match(child.name) and (child / META).is_file() and (child / ".metadata").is_file():
+                found.append(Checkpoint(child, _step_of(child)))
         return sorted(found, key=lambda c: c.step)
 
     def latest(self) -> Checkpoint | None:
@@ -167,14 +166,11 @@ def write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
 
 def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     """Refuse, before launching, a checkpoint of another model: every weight must be saved with this shape."""
+    from nbtrain.run.training_state import trained_tensors
     from nbtrain.run.weights import layer_prefixes
 
     saved = {k[len("model."):]: shape for k, shape in checkpoint.saved_shapes().items() if k.startswith("model.")}
-    here, seen, layers = {}, set(), layer_prefixes(model)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen and name.startswith(layers):  # what a run saves (TrainingState)
-            seen.add(id(tensor))
-            here[name] = tuple(tensor.shape)
+    here = {name: tuple(t.shape) for name, t in trained_tensors(model, layer_prefixes(model)).items()}
     where = f"{checkpoint.path} was saved from another model"
     missing = sorted(set(here) - set(saved))
     if missing:

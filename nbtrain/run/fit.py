@@ -29,8 +29,8 @@ from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.batches import check_batch, model_vocab_size
-from nbtrain.run.checkpoint import folder_for_run, with_resume_hint
-from nbtrain.run.trainer import StepRecord
+from nbtrain.run.checkpoint import Checkpoint, folder_for_run, with_resume_hint
+from nbtrain.run.trainer import StepRecord, check_on_nonfinite
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
 
@@ -66,8 +66,7 @@ class FitResult:
     @property
     def measured_step_s(self) -> float:
         """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
-        own = [r for r in self.records if r.step > self.resumed_at] if self.resumed_at else self.records
-        own = own or self.records
+        own = self.records[self.resumed_at:] or self.records  # the steps before a resume came from the checkpoint
         times = [r.seconds for r in own[1:]] or [r.seconds for r in own]
         return statistics.median(times)
 
@@ -91,7 +90,7 @@ class FitResult:
         if self.resumed_at:
             t.footer.append(f"resumed after step {self.resumed_at}: the steps up to it were measured by the run "
                             "that saved the checkpoint")
-        saves = [r.checkpoint_s for r in self.records if r.checkpoint_s is not None and r.step > self.resumed_at]
+        saves = [r.checkpoint_s for r in self.records[self.resumed_at:] if r.checkpoint_s is not None]
         if saves:
             t.footer.append(f"checkpoints saved: {len(saves)}, {format_seconds(statistics.median(saves))} each "
                             f"(median; not in the step times); last: {self.checkpoint}")
@@ -156,8 +155,8 @@ class _Run:
     on_nonfinite: str = "stop"
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
-    resume_from: str | None = None
-    """A complete checkpoint's folder to go on from."""
+    resume_from: Checkpoint | None = None
+    """The complete checkpoint to go on from."""
 
 
 def _worker(model, plan: Plan, get_batch, run: _Run):
@@ -201,11 +200,11 @@ def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> lis
     returns every step's record (a resumed run's earlier ones first)."""
     import torch.distributed as dist
 
-    from nbtrain.run.checkpoint import Checkpoint, CheckpointFolder, Progress
+    from nbtrain.run.checkpoint import CheckpointFolder, Progress
 
     records = []
     if run.resume_from is not None:
-        progress = Checkpoint(Path(run.resume_from), 0).load(state)
+        progress = run.resume_from.load(state)
         trainer.restore_progress(progress.step, progress.schedule_epoch)
         records = progress.records
     folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
@@ -271,6 +270,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
 
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
+    check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
     get_batch = _batch_source(data, steps)
     lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
     ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
@@ -304,13 +304,10 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
-    if on_nonfinite not in ("stop", "skip"):
-        raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume)
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
-               None if folder is None else str(folder.path), checkpoint_every,
-               None if start is None else str(start.path))
+               None if folder is None else str(folder.path), checkpoint_every, start)
     try:
         records, state, trace = launch(_worker, model, plan, get_batch, run, num_processes=num_processes,
                                        timeout=timeout)

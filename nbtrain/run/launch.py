@@ -300,7 +300,7 @@ def _dump_stacks_and_stop_workers(before, timed_out: threading.Event, workdir) -
 def _stop_workers(before) -> None:
     """Kill the workers this launch started (children now that were not there before) and reap them; in the launching
     thread, once elastic has returned (``worker_processes``: why not from another thread)."""
-    for child in set(multiprocessing.active_children()) - before:
+    for child in worker_processes(before):
         child.kill()
         child.join(5)
 

@@ -87,6 +87,13 @@ def gradient_sync(model: nn.Module, enabled: bool, offloaded=None):
     return nullcontext()
 
 
+def check_on_nonfinite(value: str) -> str:
+    """``value`` if it is what a run does with a NaN or infinite loss: ``"stop"`` or ``"skip"``."""
+    if value not in ("stop", "skip"):
+        raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {value!r}")
+    return value
+
+
 def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Plain tensors together, DTensors by (mesh, placements): the lists a foreach or fused kernel takes whole."""
     groups: dict = {}
@@ -111,9 +118,7 @@ class Trainer:
                  on_nonfinite: str = "stop"):
         if precision not in ("fp32", "bf16"):
             raise InvalidArgumentError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-        if on_nonfinite not in ("stop", "skip"):
-            raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
-        self.on_nonfinite = on_nonfinite
+        self.on_nonfinite = check_on_nonfinite(on_nonfinite)
         self.model, self.plan, self.meshes, self.optimizer = model, plan, meshes, optimizer
         self.loss_fn, self.clip_norm = loss_fn, clip_norm
         # bf16: compute in bf16 under autocast, weights and optimizer state stay fp32 (the master copy), and FSDP2

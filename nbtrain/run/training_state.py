@@ -37,25 +37,30 @@ def canonical_name(name: str, wrapped_in_ddp: bool) -> str:
     return name
 
 
+def trained_tensors(model: nn.Module, trained: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers a run saves, by canonical name: those under the ``trained`` prefixes
+    (a pipeline stage's layers), each tensor once (a tied head is saved under the embedding's name)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp, seen, out = isinstance(model, DistributedDataParallel), set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name, ddp)
+        if id(tensor) in seen or not name.startswith(trained):  # a tied alias; another stage's layer
+            continue
+        seen.add(id(tensor))
+        out[name] = tensor
+    return out
+
+
 class TrainingState:
     """The weights this process trains and their AdamW state, by canonical name (module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, trained: tuple[str, ...]):
-        from torch.nn.parallel import DistributedDataParallel
-
         from nbtrain.run.offload import OffloadedAdamW
 
-        ddp = isinstance(model, DistributedDataParallel)
         self.model, self.optimizer = model, optimizer
         self.offloaded = isinstance(optimizer, OffloadedAdamW)
-        self.tensors: dict[str, torch.Tensor] = {}  # name -> the parameter or persistent buffer itself
-        seen = set()
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            name = canonical_name(name, ddp)
-            if id(tensor) in seen or not name.startswith(trained):  # a tied alias; another stage's layer
-                continue
-            seen.add(id(tensor))
-            self.tensors[name] = tensor
+        self.tensors = trained_tensors(model, trained)  # name -> the parameter or persistent buffer itself
         self.names = {id(t): name for name, t in self.tensors.items()}
 
     def to_save(self) -> dict[str, torch.Tensor]:

@@ -20,8 +20,6 @@ from torch import nn
 
 from nbtrain.errors import InvalidArgumentError
 
-_WRAPPED = "_checkpoint_wrapped_module."  # what checkpoint_wrapper adds to parameter names
-
 
 def trained_prefixes(model: nn.Module, plan, stage: int) -> tuple[str, ...]:
     """Name prefixes of the layers pipeline stage ``stage`` trains (the other stages' layers in a process are
@@ -42,7 +40,9 @@ def _state(model: nn.Module, full: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full))
-    return {k.replace(_WRAPPED, ""): v for k, v in state.items()}
+    from nbtrain.run.training_state import canonical_name
+
+    return {canonical_name(k, False): v for k, v in state.items()}  # without checkpoint_wrapper's part
 
 
 def gather_trained(model: nn.Module, plan, mine: tuple[str, ...]) -> dict | None:
