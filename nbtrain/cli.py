@@ -22,6 +22,7 @@ import json
 import sys
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NbtrainError, WorkerError
+from nbtrain.units import decimal_note
 
 
 def _positive_int(text: str) -> int:
@@ -161,6 +162,8 @@ def _plan(args) -> None:
     print()
     print(comparison_table(best, known))
     print()
+    if decimal_note(args.memory):
+        print("note:", decimal_note(args.memory))
     print(best.summary(label="evaluated" if args.strategy else "recommended"))
 
 
@@ -216,7 +219,7 @@ def _kernel(args) -> None:
 def _export(args) -> None:
     from nbtrain.models.presets import build_preset
     from nbtrain.notebook.cell import plan_model
-    from nbtrain.notebook.export import export_cell
+    from nbtrain.notebook.export import export_cell, papermill_command
 
     if ":" in args.model:
         raise InvalidArgumentError(f"export writes a notebook that builds a preset, and {args.model!r} is a Python "
@@ -227,12 +230,16 @@ def _export(args) -> None:
                      batch=args.batch, seq=args.seq, strategy=args.strategy)
     path = export_cell(args.out, code, "model", job.plan, processes=args.processes, steps=args.steps)
     print(job.plan.summary(label="evaluated" if args.strategy else "recommended"))
-    print(f"wrote {path}; run it with: papermill {path} out.ipynb -k nbtrain")
+    print(f"wrote {path}; run it with: {papermill_command(path, steps=args.steps)}")
 
 
 def _cluster(args) -> None:
     from nbtrain.profiler.hardware import Cluster
 
+    if args.detect and (args.device or args.gpus != 1 or args.gpus_per_node):
+        given = args.device or ("--gpus" if args.gpus != 1 else "--gpus-per-node")
+        raise InvalidArgumentError(f"--detect measures this machine, so {given} has no meaning with it; give either a "
+                                   "device from the catalog (nbtrain cluster H100 --gpus 8) or --detect")
     if args.detect:
         cluster = Cluster.detect(calibrate=True)
     elif args.device:

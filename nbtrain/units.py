@@ -19,17 +19,40 @@ _BYTE_UNITS = {
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """``"40GiB"`` → 42949672960. Binary units for KiB/MiB/GiB/TiB and bare K/M/G/T, decimal for KB/MB/GB/TB.
-    A number is bytes; text needs its unit (``"40"`` is refused: 40 bytes is never the budget meant)."""
+    """``"40GiB"`` → 42949672960, as people type sizes: ``24GiB``, ``24 GiB``, ``24gib``, ``0.5TiB``, ``24GB``.
+
+    Binary units for KiB/MiB/GiB/TiB and for the bare letters K/M/G/T (``24g``, ``24G``: as ``ulimit``, Slurm's
+    ``--mem`` and the JVM's ``-Xmx`` read them); decimal for KB/MB/GB/TB (``24GB`` = 24e9 bytes, as disk and
+    accelerate's ``max_memory`` read them); case does not matter. A number is bytes, and so is a bare number
+    written as text when it is at least 1 MiB (``"25769803776"``); a smaller bare number (``"40"``) is refused,
+    since 40 bytes is never the budget meant.
+    """
+    if isinstance(text, bool):
+        raise InvalidArgumentError(f"cannot read {text!r} as a size; write it like '40GiB', '512MiB' or '80GB'")
     if isinstance(text, (int, float)):
         return int(text)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"cannot read {text!r} ({type(text).__name__}) as a size; write it like "
+                                   "'40GiB', '512MiB' or '80GB'")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _BYTE_UNITS:
         raise InvalidArgumentError(f"cannot read {text!r} as a size; write it like '40GiB', '512MiB' or '80GB'")
-    if not match.group(2):
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and number < 2**20:
         raise InvalidArgumentError(f"{text.strip()!r} has no unit; write '{text.strip()}GiB' (or MiB, GB, ...; "
                                    f"'{text.strip()}B' for bytes)")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if number == 0:
+        raise InvalidArgumentError(f"{text.strip()!r} is no memory at all; give a size above 0, e.g. '24GiB'")
+    return int(number * _BYTE_UNITS[unit])
+
+
+def decimal_note(text: str | None, flag: str = "--memory") -> str | None:
+    """How a size in decimal units was read (``24GB`` is 7% less than ``24GiB``), or None for any other size."""
+    if not isinstance(text, str) or not re.fullmatch(r"\s*[0-9.eE+-]+\s*[kKmMgGtT][bB]\s*", text):
+        return None
+    size = parse_bytes(text)
+    return (f"{flag} {text.strip()} is {size:,} bytes = {format_bytes(size)} (GB, MB, ... are decimal units; write "
+            "GiB, MiB, ... or 24g for binary ones)")
 
 
 def format_bytes(n: float) -> str:

@@ -7,6 +7,7 @@ real kernels under papermill.
 from __future__ import annotations
 
 import multiprocessing
+import re
 
 import pytest
 import torch
@@ -94,13 +95,13 @@ def test_the_model_can_be_named_when_the_cell_makes_several(shell):
     ("--gpus 0", TINY, "--gpus 0: must be a positive integer"),
     ("--gpus 8 --memory 1MiB", TINY, "no plan fits 1.00 MiB per device"),
     ("--gpus 2 --gpu TPU", TINY, "TPU"),
-    ("--gpus 2 --data nothing", TINY, "--data nothing: no variable 'nothing'"),
-    ("--gpus 2 --memory 40", TINY, "InvalidArgumentError: '40' has no unit; write '40GiB'"),
+    ("--gpus 2 --launch --data nothing", TINY, "--data nothing: no variable 'nothing'"),
+    ("--gpus 2 --memory 40", TINY, "--memory 40: '40' has no unit; write '40GiB'"),
     ('--gpus 8 --batch 16 --strategy "tp=8"', TINY,
      "InvalidPlanError: layer 1 (blocks.0) of model: tp=8 does not divide the 4 attention heads; use a tp that divides "
      "4: 1, 2 or 4"),
-    ("--gpus 2 --lr -1", TINY, "--lr -1: the learning rate must be a positive number"),
-    ("--gpus 2 --timeout 0", TINY, "--timeout 0: must be a positive number of seconds"),
+    ("--gpus 2 --launch --lr -1", TINY, "--lr -1: the learning rate must be a positive number"),
+    ("--gpus 2 --launch --timeout 0", TINY, "--timeout 0: must be a positive number of seconds"),
     ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches",
      TINY + "import torch\nbatches = [(torch.rand(4, 32), torch.zeros(4, 32, dtype=torch.long))]\n",
      "InvalidArgumentError: batch of step 0: ids have dtype torch.float32; token ids must be an integer tensor"),
@@ -135,9 +136,15 @@ def test_mistakes_end_the_cell_with_one_usage_error_and_the_notebook_keeps_its_s
     assert shell.run_cell("after = 1 + 1").success and shell.user_ns["after"] == 2
 
 
-def test_an_error_in_the_cells_own_code_shows_as_any_cell_error(shell):
-    result = run(shell, "--gpus 2", "model = undefined_name\n")
-    assert isinstance(result.error_in_exec, NameError)
+def test_an_error_in_the_cells_own_code_shows_the_users_line_then_one_usage_error(shell, capsys):
+    from IPython.core.error import UsageError
+
+    result = run(shell, "--gpus 2", "x = 1\nmodel = undefined_name\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert str(result.error_in_exec).startswith("the cell's code raised NameError")
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # IPython colours its tracebacks
+    assert "----> 2 model = undefined_name" in shown and "Could not get source" not in shown
+    assert "magics.py" not in shown  # the traceback is the cell's, not the magic's
 
 
 @pytest.mark.slow

@@ -69,8 +69,88 @@ class PlannedCell:
     """The uniform plans users know (DDP, FSDP, Megatron, ...), predicted on the same cluster."""
 
 
+def check_data(data, name: str | None) -> None:
+    """``--data``: a list (or other iterable) of global batches, or a function of the step that returns one."""
+    import inspect
+
+    import torch
+
+    if data is None:
+        return
+    if callable(data) and not isinstance(data, (nn.Module, torch.Tensor)):
+        try:
+            inspect.signature(data).bind(0)
+        except TypeError:
+            raise InvalidArgumentError(f"--data {name}: {name}{_signature(data)} cannot be called with the step "
+                                       "number alone; a data function takes the step and returns its batch: "
+                                       "def batch(step): return ids, targets") from None
+        except ValueError:  # a builtin without a signature: let the call tell
+            pass
+        return
+    if isinstance(data, (str, bytes, dict)) or not hasattr(data, "__iter__"):
+        raise InvalidArgumentError(f"--data {name}: {name!r} is a {type(data).__name__}; give a list of (ids, "
+                                   "targets) global batches, or a function step → batch")
+
+
+def check_loss(loss_fn, name: str | None):
+    """``--loss``: a function ``loss(output, targets)``; returned wrapped so that an error inside it is reported as
+    the loss's, not as the model's."""
+    import functools
+    import inspect
+
+    if loss_fn is None:
+        return None
+    if not callable(loss_fn):
+        raise InvalidArgumentError(f"--loss {name}: {name!r} is a {type(loss_fn).__name__}, not a function; give a "
+                                   "function loss(output, targets) that returns a scalar tensor")
+    try:
+        inspect.signature(loss_fn).bind(None, None)
+    except TypeError:
+        raise InvalidArgumentError(f"--loss {name}: {name}{_signature(loss_fn)} cannot be called as "
+                                   f"{name}(output, targets); a loss takes the model's output and the batch's "
+                                   "targets and returns a scalar tensor") from None
+    except ValueError:
+        pass
+    if getattr(loss_fn, "__wrapped_loss__", None) is not None:
+        return loss_fn
+
+    @functools.wraps(loss_fn)
+    def loss(output, targets):
+        try:
+            return loss_fn(output, targets)
+        except Exception as error:
+            raise InvalidArgumentError(f"--loss {name} raised {type(error).__name__}: {_first_line(error)} (called "
+                                       f"as {name}(output, targets) with output {_describe(output)} and targets "
+                                       f"{_describe(targets)})") from error
+
+    loss.__wrapped_loss__ = loss_fn
+    return loss
+
+
+def _signature(fn) -> str:
+    import inspect
+
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else ""
+
+
+def _describe(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
 def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int | None = None, gpu: str = "H100",
-               memory: str | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
+               memory: str | int | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
                strategy: str | None = None, offload: bool = False, top: int = 3,
                loss_fn: Callable | None = None) -> PlannedCell:
     """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags)."""
@@ -78,6 +158,9 @@ def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int
     from nbtrain.planner.recommend import baselines
     from nbtrain.planner.search import SearchOptions
 
+    from nbtrain.units import parse_bytes
+
+    memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn)
     cluster = nbtrain.Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
     batch = batch or 4 * gpus
@@ -97,7 +180,8 @@ same shape) plans again without profiling again."""
 def _profile(model: nn.Module, name: str, seq: int | None, dtype: str, loss_fn):
     import nbtrain
 
-    structure = (type(model).__qualname__, name, seq, dtype, loss_fn,
+    key_loss = getattr(loss_fn, "__wrapped_loss__", loss_fn)  # one loss, however often a cell wraps it
+    structure = (type(model).__qualname__, name, seq, dtype, key_loss,
                  tuple((k, tuple(p.shape), p.dtype) for k, p in model.named_parameters()),
                  tuple(type(m).__qualname__ for m in model.modules()))
     if structure not in _PROFILES:

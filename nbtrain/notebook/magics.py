@@ -21,6 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from nbtrain.errors import NbtrainError, WorkerError
+from nbtrain.units import decimal_note
 
 
 def _show(table) -> None:
@@ -40,7 +41,8 @@ class AutoparallelMagics(Magics):
     @argument("--gpus-per-node", type=int, default=None, help="devices per node (default: up to 8)")
     @argument("--gpu", default="H100", help="device type from the catalog: H100, A100-80GB, V100, L4, cpu, ... "
                                            "(default H100)")
-    @argument("--memory", default=None, help="memory budget per device, e.g. 24GiB (default: the device's)")
+    @argument("--memory", default=None, help="memory budget per device: 24GiB, '24 GiB', 24g (binary units), 24GB "
+                                             "(decimal), or a number of bytes (default: the device's)")
     @argument("--batch", type=int, default=None, help="global batch: sequences per step (default 4 per device)")
     @argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context, ≤ 1024)")
     @argument("--dtype", default="bf16", help="training dtype for the plan: bf16, fp16 or fp32 (default bf16)")
@@ -51,12 +53,15 @@ class AutoparallelMagics(Magics):
     @argument("-q", dest="quiet", action="store_true", help="print only the one-line summary")
     @argument("--launch", action="store_true", help="then train the model here under the plan, scaled to "
                                                    "--processes, and load the trained weights back into it")
-    @argument("--processes", type=int, default=None, help="processes to train with (default: one per GPU here, "
-                                                          "or 2 CPU processes without a GPU)")
-    @argument("--steps", type=int, default=10, help="training steps with --launch (default 10)")
-    @argument("--lr", type=float, default=3e-4, help="AdamW learning rate with --launch (default 3e-4)")
-    @argument("--seed", type=int, default=0, help="seed of the launch's workers and data (default 0)")
-    @argument("--timeout", type=float, default=None, help="seconds the launch may take (default: no limit)")
+    @argument("--processes", type=int, default=None, help="with --launch or --export: processes to train with "
+                                                          "(default: one per GPU here, or 2 CPU processes)")
+    @argument("--steps", type=int, default=None, help="with --launch or --export: training steps (default 10)")
+    @argument("--lr", type=float, default=None, help="with --launch or --export: AdamW learning rate (default "
+                                                     "3e-4)")
+    @argument("--seed", type=int, default=None, help="with --launch or --export: seed of the workers and data "
+                                                     "(default 0)")
+    @argument("--timeout", type=float, default=None, help="with --launch: seconds the launch may take (default: no "
+                                                          "limit)")
     @argument("--checkpoint-dir", metavar="DIR", help="with --launch, save checkpoints of the run in DIR (after the "
                                                      "last step, and every --checkpoint-every steps)")
     @argument("--checkpoint-every", type=int, default=None, metavar="K", help="with --checkpoint-dir, save every K "
@@ -64,7 +69,7 @@ class AutoparallelMagics(Magics):
     @argument("--resume", metavar="DIR", help="with --launch, go on from the newest complete checkpoint in DIR "
                                               "(saved under any plan), to --steps in all; saves there too")
     @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
-                                               "launch, checks), for papermill or a tutorial")
+                                               "data, launch, checks), for papermill or a tutorial")
     @cell_magic
     def autoparallel(self, line: str, cell: str):
         """Profile the model this cell builds, plan it for a described cluster, and show the plan.
@@ -87,21 +92,29 @@ class AutoparallelMagics(Magics):
             raise UsageError(f"{type(error).__name__}: {error}") from None
 
     def _run(self, args, cell: str):
-        from nbtrain.notebook.cell import find_model, plan_model, snapshot, train_here
+        from nbtrain.notebook import flags
+        from nbtrain.notebook.cell import check_data, check_loss, find_model, plan_model, snapshot, train_here
         from nbtrain.planner.report import comparison_table
 
-        _check_checkpoint_flags(args)  # before the cell's own code runs: nothing to undo
+        # Every flag is checked before the cell's own code runs: a typo costs nothing and undoes nothing.
+        memory = flags.check_line(args, local_devices=_local_devices)
         namespace = self.shell.user_ns
+        for name, flag in ((args.data, "--data"), (args.loss, "--loss")):  # what earlier cells made, checked now
+            if name in namespace:
+                (check_data if flag == "--data" else check_loss)(namespace[name], name)
         before = snapshot(namespace)
-        self.shell.ex(self.shell.transform_cell(cell))  # the user's own code: its errors show as any cell's do
+        ran = self.shell.run_cell(cell, store_history=False)  # the user's own code: its errors show as any cell's
+        if not ran.success:
+            error = ran.error_in_exec or ran.error_before_exec
+            raise UsageError(f"the cell's code raised {type(error).__name__} (its traceback is above); nothing was "
+                             "planned or trained")
         name, model = find_model(namespace, before, args.model)
         data, loss_fn = self._lookup(args.data, "--data"), self._lookup(args.loss, "--loss")
-        if args.processes is None:
-            args.processes = _local_devices()
-        _check_counts(args)
+        check_data(data, args.data)
+        checked_loss = check_loss(loss_fn, args.loss)  # profiling reports an error inside it as the loss's
         job = plan_model(model, name, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
-                         memory=args.memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                         strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=loss_fn)
+                         memory=memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                         strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=checked_loss)
         plan = job.plan
         if args.output:
             namespace[args.output] = plan
@@ -110,15 +123,18 @@ class AutoparallelMagics(Magics):
             _show(comparison_table(plan, job.baselines))
             for note in plan.notes:
                 print("note:", note)
+        if decimal_note(args.memory):
+            print("note:", decimal_note(args.memory))
         print(plan.summary())
         if not args.quiet and not args.launch:
-            self._explorer(job, args)
+            self._explorer(job, args, memory)
         if args.export:
-            from nbtrain.notebook.export import export_cell
+            from nbtrain.notebook.export import export_cell, papermill_command
 
             path = export_cell(args.export, cell, name, plan, processes=args.processes, steps=args.steps,
-                               lr=args.lr, seed=args.seed, namespace=namespace)
-            print(f"exported to {path}: papermill {path} out.ipynb -k nbtrain -p steps {args.steps}")
+                               lr=args.lr, seed=args.seed, namespace=namespace, data=data, data_name=args.data,
+                               loss_name=args.loss)
+            print(f"exported to {path}: {papermill_command(path, steps=args.steps)}")
         if args.launch:
             print(f"\ntraining {name} here: {args.processes} processes, {args.steps} steps, the plan scaled to "
                   f"{args.processes} devices")
@@ -139,11 +155,11 @@ class AutoparallelMagics(Magics):
             raise UsageError(f"{flag} {name}: no variable {name!r} in the notebook; define it first")
         return self.shell.user_ns[name]
 
-    def _explorer(self, job, args) -> None:
+    def _explorer(self, job, args, memory) -> None:
         from nbtrain.notebook.widgets import explore
 
         explorer = explore(job.profile, num_devices=args.gpus, devices_per_node=args.gpus_per_node or min(args.gpus, 8),
-                           device=args.gpu, memory=args.memory, global_batch=job.plan.global_batch,
+                           device=args.gpu, memory=memory, global_batch=job.plan.global_batch,
                            seq_len=job.plan.seq_len)
         if explorer is not None:
             display(explorer)
@@ -163,34 +179,6 @@ def _unquoted(args):
         if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             setattr(args, key, value[1:-1])
     return args
-
-
-def _check_checkpoint_flags(args) -> None:
-    if not args.launch and (args.resume or args.checkpoint_dir or args.checkpoint_every):
-        flag = "--resume" if args.resume else "--checkpoint-dir" if args.checkpoint_dir else "--checkpoint-every"
-        raise UsageError(f"{flag} saves or resumes a training run: add --launch")
-    if args.resume and args.checkpoint_dir and args.resume != args.checkpoint_dir:
-        raise UsageError(f"--resume {args.resume} and --checkpoint-dir {args.checkpoint_dir}: a resumed run saves "
-                         "where it resumed from; give only --resume")
-    if args.checkpoint_every is not None and not (args.checkpoint_dir or args.resume):
-        raise UsageError(f"--checkpoint-every {args.checkpoint_every}: add --checkpoint-dir DIR, the folder the "
-                         "checkpoints go in")
-
-
-def _check_counts(args) -> None:
-    for flag in ("gpus", "processes", "steps", "top"):
-        value = getattr(args, flag)
-        if value < 1:
-            raise UsageError(f"--{flag} {value}: must be a positive integer")
-    for flag in ("gpus_per_node", "batch", "seq"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
-    if not args.lr > 0:
-        raise UsageError(f"--lr {args.lr:g}: the learning rate must be a positive number, e.g. --lr 3e-4")
-    if args.timeout is not None and not args.timeout > 0:
-        raise UsageError(f"--timeout {args.timeout:g}: must be a positive number of seconds; leave it out for no "
-                         "limit")
 
 
 def load_ipython_extension(ipython) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbtrain.errors import InvalidArgumentError, ProfileError
+from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.result import QUANTITIES, LayerProfile, ModelProfile, Scaling
@@ -199,6 +199,8 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
 def _count_or_explain(step: Step, b: int, s: int) -> Counts:
     try:
         return count(step, b, s)
+    except NbtrainError:  # already one line for the user (a --loss that raised, say)
+        raise
     except Exception as exc:  # the user's forward failed on fake tensors: say so in one line
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise ProfileError(

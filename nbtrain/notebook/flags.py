@@ -1,0 +1,117 @@
+"""The ``%%autoparallel`` line, checked as a whole before the cell's code runs.
+
+    >>> memory = check_line(args, local_devices=lambda: 2)      # args: the parsed line; returns the budget in bytes
+
+Every value nbtrain cannot use is one ``UsageError`` line that names the flag and what to write instead: counts
+that are not positive, a size it cannot read, a name ``-o`` cannot bind, flags that only mean something with
+``--launch`` (or ``--export``) given without it, checkpoint flags that contradict each other, and a process count
+the plan cannot be scaled to. The defaults of the training flags are filled in here, once they are known to apply.
+"""
+
+from __future__ import annotations
+
+import keyword
+from pathlib import Path
+
+from IPython.core.error import UsageError
+
+from nbtrain.errors import NbtrainError
+
+TRAINING_DEFAULTS = {"steps": 10, "lr": 3e-4, "seed": 0}
+"""What ``--launch`` and ``--export`` train with when the flag is left out."""
+
+
+def check_line(args, *, local_devices) -> int | None:
+    """Check the parsed line ``args`` and fill in the training defaults; the memory budget in bytes (or None).
+    ``local_devices()`` is the default process count here (called only when a launch or export needs it)."""
+    _check_needs_launch(args)
+    _check_checkpoint_flags(args)
+    if args.processes is None and (args.launch or args.export):
+        args.processes = local_devices()
+    for flag, value in TRAINING_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    _check_counts(args)
+    if args.output is not None and not (args.output.isidentifier() and not keyword.iskeyword(args.output)):
+        raise UsageError(f"-o {args.output}: not a Python variable name; use a name such as -o plan")
+    memory = _memory(args.memory)
+    if args.launch or args.export:
+        _check_scalable(args.gpus, args.processes)
+    return memory
+
+
+def _memory(text: str | None) -> int | None:
+    from nbtrain.units import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        budget = parse_bytes(text)
+    except NbtrainError as error:
+        raise UsageError(f"--memory {text}: {error}") from None
+    if budget <= 0:
+        raise UsageError(f"--memory {text}: the budget must be more than 0 bytes, e.g. --memory 24GiB")
+    return budget
+
+
+_LAUNCH_ONLY = ("timeout", "checkpoint_dir", "checkpoint_every", "resume")
+_TRAINING = ("processes", "steps", "lr", "seed", "data")
+
+
+def _check_needs_launch(args) -> None:
+    if args.launch:
+        return
+    for flag in _LAUNCH_ONLY + _TRAINING:
+        value = getattr(args, flag)
+        if value is None or (flag in _TRAINING and args.export):
+            continue
+        name = "--" + flag.replace("_", "-")
+        if flag in ("checkpoint_dir", "checkpoint_every", "resume"):
+            raise UsageError(f"{name} saves or resumes a training run: add --launch")
+        also = "" if flag in _LAUNCH_ONLY else " (or --export PATH, whose notebook trains)"
+        raise UsageError(f"{name} {value} is for training, and this cell only plans: add --launch{also}, or leave "
+                         f"out {name}")
+
+
+def _check_checkpoint_flags(args) -> None:
+    if args.resume and args.checkpoint_dir and Path(args.resume).expanduser() != Path(args.checkpoint_dir).expanduser():
+        raise UsageError(f"--resume {args.resume} and --checkpoint-dir {args.checkpoint_dir}: a resumed run saves "
+                         "where it resumed from; give only --resume")
+    if args.checkpoint_every is not None and not (args.checkpoint_dir or args.resume):
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every}: add --checkpoint-dir DIR, the folder the "
+                         "checkpoints go in")
+    if args.checkpoint_dir and not args.resume:
+        from nbtrain.run.checkpoint import CheckpointFolder
+
+        latest = CheckpointFolder(Path(args.checkpoint_dir).expanduser()).latest()
+        if latest is not None:
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints of a run (the newest "
+                             f"after step {latest.step}); add --resume {args.checkpoint_dir} to go on from it, or "
+                             "give another --checkpoint-dir (nothing there was changed)")
+    for flag in ("checkpoint_dir", "resume"):
+        if getattr(args, flag):
+            setattr(args, flag, str(Path(getattr(args, flag)).expanduser()))
+
+
+def _check_counts(args) -> None:
+    for flag in ("gpus", "top", "processes", "steps", "gpus_per_node", "batch", "seq", "checkpoint_every"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")
+    if not args.lr > 0:
+        raise UsageError(f"--lr {args.lr:g}: the learning rate must be a positive number, e.g. --lr 3e-4")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be a positive number of seconds; leave it out for no "
+                         "limit")
+
+
+def _check_scalable(gpus: int, processes: int) -> None:
+    """The launch runs the plan for ``--gpus`` devices scaled to ``--processes``: refuse a count it cannot reach
+    before anything is planned, with the launch's own message."""
+    from nbtrain.planner.scale import scale_plan
+    from nbtrain.planner.strategy import Plan, Strategy
+
+    try:
+        scale_plan(Plan(num_devices=gpus, layers=(Strategy(dp_replicate=gpus),)), processes)
+    except NbtrainError as error:
+        raise UsageError(f"--processes {processes}: {error}") from None
