@@ -45,6 +45,10 @@ def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, s
         raise InvalidArgumentError(f"export: {model_name!r} is not a variable name")
     scale_plan(plan, processes)  # a process count the notebook could not launch is refused before it is written
     bound = bound_names(code)
+    if model_name not in bound:
+        raise InvalidArgumentError(f"cannot export: the cell does not build {model_name} (it comes from an earlier "
+                                   "cell), so the exported notebook would have no model; build it in the exported "
+                                   "cell and run it again")
     if loss_name is not None and loss_name not in bound:
         raise InvalidArgumentError(f"cannot export --loss {loss_name}: it comes from an earlier cell, and a function "
                                    "cannot be written into the notebook; define it in the exported cell and run it "

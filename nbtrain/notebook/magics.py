@@ -5,6 +5,7 @@
     %%autoparallel --gpus 64 --gpu H100 --batch 256 --seq 1024 -o best --launch --processes 2 --steps 10
     model = nbtrain.GPT(nbtrain.GPTConfig(n_layer=12, n_head=12, n_embd=768))
 
+``%autoparallel --model NAME ...`` (the line form) plans a model built in an earlier cell, with no code to run.
 ``%%autoparallel?`` prints every flag. A flag's value may be a ``$variable`` (IPython expands it). Mistakes
 (no model, two models, a bad flag, nothing fits, a batch of the wrong shape, a worker that raises: its traceback
 above the line) end the cell with one ``UsageError`` line; the kernel and everything in the notebook stay as they
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
@@ -70,8 +71,8 @@ class AutoparallelMagics(Magics):
                                               "(saved under any plan), to --steps in all; saves there too")
     @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
                                                "data, launch, checks), for papermill or a tutorial")
-    @cell_magic
-    def autoparallel(self, line: str, cell: str):
+    @line_cell_magic
+    def autoparallel(self, line: str, cell: str | None = None):
         """Profile the model this cell builds, plan it for a described cluster, and show the plan.
 
         The cell runs first, as any cell does. Its model (``--model NAME``, or the single ``nn.Module`` the cell
@@ -103,7 +104,8 @@ class AutoparallelMagics(Magics):
             if name in namespace:
                 (check_data if flag == "--data" else check_loss)(namespace[name], name)
         before = snapshot(namespace)
-        ran = self.shell.run_cell(cell, store_history=False)  # the user's own code: its errors show as any cell's
+        # the user's own code (none in the line form, %autoparallel --model NAME): its errors show as any cell's
+        ran = self.shell.run_cell(cell or "", store_history=False)
         if not ran.success:
             error = ran.error_in_exec or ran.error_before_exec
             raise UsageError(f"the cell's code raised {type(error).__name__} (its traceback is above); nothing was "
@@ -125,7 +127,7 @@ class AutoparallelMagics(Magics):
                 print("note:", note)
         if decimal_note(args.memory):
             print("note:", decimal_note(args.memory))
-        print(plan.summary())
+        print(plan.summary(label="evaluated" if args.strategy else "recommended"))
         if not args.quiet and not args.launch:
             self._explorer(job, args, memory)
         if args.export:
