@@ -158,6 +158,35 @@ def test_a_mistake_in_the_cell_is_one_message_and_the_next_cell_runs(tmp_path, f
     assert "kernel alive: 2 child processes: 0" in text_of(after)  # the kernel works, no worker is left
 
 
+def test_a_notebook_written_from_the_readme_alone_runs(tmp_path):
+    nb = execute(FIXTURES / "readme_user.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"]
+    everything = "\n".join(text_of(c) for c in code)
+    assert "recommended:" in everything and "/24.00 GiB" in everything  # --memory 24GiB, as the README writes it
+    assert re.search(r"trained on 4 rows per step; losses \[[\d.]+, [\d.]+, [\d.]+\]", everything), everything
+    assert "4 16 512.0 GiB" in text_of(code[-1])  # the cell with no model, and the line form, planned
+
+
+def test_an_exported_run_on_the_users_data_executes_as_is_and_trains_on_that_data(tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbtrain")
+    shell.run_cell("import torch\ng = torch.Generator().manual_seed(0)\n"
+                   "rows = [torch.randint(0, 256, (2, 17), generator=g) for _ in range(2)]\n"
+                   "user_batches = [(r[:, :-1], r[:, 1:]) for r in rows]\n")
+    export = tmp_path / "run.ipynb"
+    result = shell.run_cell(f"%%autoparallel --gpus 2 --batch 2 -q --export {export} --steps 2 --data user_batches\n"
+                            "import nbtrain\n"
+                            "exported_model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, "
+                            "n_head=4, n_embd=64, tie_embeddings=False))\n")
+    assert result.success, result.error_in_exec
+    nb = execute(export, tmp_path)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    assert "2 batches of (2, 16)" in everything and "checks passed: 2 steps" in everything
+
+
 def test_an_exported_run_executes_as_is(tmp_path):
     from IPython.core.interactiveshell import InteractiveShell
 

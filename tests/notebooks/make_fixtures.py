@@ -36,3 +36,30 @@ for name, (why, cell) in CASES.items():
                              new_code_cell(setup), error, new_code_cell(AFTER)],
                       metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
     nbformat.write(nb, f"tests/notebooks/{name}.ipynb")
+
+# A notebook written from the README alone, as a new user writes one: the magic with --memory in the units the
+# README shows, -o, --launch on their own --data, and a cell that plans a model built in an earlier cell.
+README_USER = [
+    "%load_ext nbtrain",
+    "import torch\nimport nbtrain\nfrom transformers import GPT2Config, GPT2LMHeadModel",
+    "%%autoparallel --gpus 8 --memory 24GiB --batch 16 --seq 512 -o plan\n"
+    "model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=4, n_head=4, n_positions=512))",
+    "print(plan)\nprint(plan.summary())",
+    "# a list of (ids, targets) global batches, as the README's --data says\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "windows = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(3)]\n"
+    "batches = [(w[:, :-1], w[:, 1:]) for w in windows]",
+    "%%autoparallel --gpus 2 --memory 40GiB -q --launch --processes 2 --steps 3 --data batches -o small\n"
+    "small_model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=64,\n"
+    "                                            tie_embeddings=False))",
+    "print('trained on', small_result.plan.global_batch, 'rows per step; losses', "
+    "[round(x, 3) for x in small_result.losses])",
+    "%%autoparallel --model small_model --gpus 4 --memory '12 GiB' --batch 8 -q -o again\n"
+    "# no model here: --model plans the one built above",
+    "%autoparallel --model model --gpus 16 --memory 0.5TiB --batch 32 -q -o line_form",
+    "print(again.num_devices, line_form.num_devices, format(line_form.predicted.budget_bytes / 2**30, '.1f'), 'GiB')",
+]
+cells = [new_markdown_cell("# Fixture: a notebook written from the README alone")]
+cells += [new_code_cell(source) for source in README_USER]
+nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}}),
+               "tests/notebooks/readme_user.ipynb")
