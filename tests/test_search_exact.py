@@ -60,10 +60,30 @@ def pipeline_degrees(inst: Instance) -> list[int]:
     return list(inst.options.pp_degrees or [p for p in (1, 2, 4, 8) if p <= min(devices, n)])
 
 
+def _power_of_two(k: int) -> bool:
+    return k & (k - 1) == 0
+
+
 def microbatch_counts(inst: Instance, pp: int) -> list[int]:
-    """search's rule: powers of two from pp to the global batch, or the ones asked for (that divide the batch)."""
-    counts = inst.options.microbatches or [m for m in (1, 2, 4, 8, 16) if pp <= m <= inst.global_batch]
-    return [m for m in counts if inst.global_batch % m == 0]
+    """search's rule: the divisors of the global batch that are powers of two or leave a power of two of sequences
+    per micro-batch (below pp too: those run GPipe), or the ones asked for (that divide the batch)."""
+    batch = inst.global_batch
+    counts = inst.options.microbatches or [m for m in range(1, batch + 1)
+                                           if batch % m == 0 and (_power_of_two(m) or _power_of_two(batch // m))]
+    return [m for m in counts if batch % m == 0]
+
+
+def schedules(inst: Instance, pp: int, m: int) -> tuple[str, ...]:
+    """search's rule: one stage has no schedule to choose; fewer micro-batches than stages run GPipe only (PyTorch's
+    Schedule1F1B refuses them); otherwise the schedules asked for."""
+    if pp == 1:
+        return ("1f1b",)
+    return ("gpipe",) if m < pp else inst.options.schedules
+
+
+def runnable(layers) -> bool:
+    """search's rule: the executor offloads only plans without TP on any layer."""
+    return not (any(s.offload for s in layers) and any(s.tp > 1 for s in layers))
 
 
 def space(inst: Instance, pp: int, m: int) -> list[Strategy]:
@@ -87,9 +107,13 @@ def count_plans(inst: Instance) -> int:
     n = len(inst.profile.layers)
     total = 0
     for pp in pipeline_degrees(inst):
-        schedules = len(inst.options.schedules) if pp > 1 else 1
         for m in microbatch_counts(inst, pp):
-            total += schedules * math.comb(n - 1, pp - 1) * len(space(inst, pp, m)) ** n
+            every = space(inst, pp, m)
+            no_offload = sum(not s.offload for s in every)
+            no_tp = sum(s.tp == 1 for s in every)
+            both = sum(not s.offload and s.tp == 1 for s in every)
+            per_partition = no_offload ** n + no_tp ** n - both ** n  # plans not mixing offload with TP
+            total += len(schedules(inst, pp, m)) * math.comb(n - 1, pp - 1) * per_partition
     return total
 
 
@@ -105,9 +129,11 @@ def every_plan(seed: int) -> tuple[Instance, list[tuple[float, float, bool, Plan
     for pp in pipeline_degrees(inst):
         for m in microbatch_counts(inst, pp):
             strategies = space(inst, pp, m)
-            for schedule in inst.options.schedules if pp > 1 else ("1f1b",):
+            for schedule in schedules(inst, pp, m):
                 for stages in partitions(n, pp):
                     for layers in itertools.product(strategies, repeat=n):
+                        if not runnable(layers):
+                            continue
                         plan = Plan(num_devices=inst.cluster.num_devices, layers=layers, pp=pp, microbatches=m,
                                     schedule=schedule, stages=stages, global_batch=inst.global_batch,
                                     seq_len=inst.profile.seq_len)
@@ -177,7 +203,7 @@ def random_instance(seed: int) -> Instance:
         zero_levels=rng.choice(((2, 3), (2, 3), (3,), (2,))),
         max_tp=rng.choice((None, None, 1, 2)),
         pp_degrees=None if rng.random() < 0.5 else tuple(sorted(rng.sample(pps, rng.randint(1, len(pps))))),
-        # explicit counts may go below pp (1F1B then holds min(pp − i, m) in flight)
+        # explicit counts may go below pp (run with GPipe, which holds all m in flight)
         microbatches=None if rng.random() < 0.5 else tuple(sorted(rng.sample([m for m in (1, 2, 4, 8) if m <= batch],
                                                                              rng.randint(1, 2)))),
     )

@@ -18,7 +18,12 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
-  the sum of its layers' resident bytes plus the largest transient of its layers plus a fixed reserve.
+  the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
+* **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
+  training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
+  constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
+  GPUs needs its ~1 GiB per device as much as a 7 B one does. The budget (``--memory``) is the device's whole memory: the reserve comes out of it
+  first, and a budget below the reserve fits nothing. None on the CPU, where a worker is an ordinary process.
 * **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
   the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
   profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016).
@@ -56,6 +61,35 @@ from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 
 GiB = 2**30
+MiB = 2**20
+
+# The reserve, per GPU (reserve_parts). Sources:
+# - CUDA context: PyTorch loads CUDA kernels lazily since 1.13 (CUDA_MODULE_LOADING=LAZY, pytorch/pytorch#86509,
+#   which measured the context at 287 MB lazy against 667 MB eager); NVIDIA's engineers put it at ~300-400 MB
+#   with CUDA >= 11.7 (pytorch/pytorch#107667, #109888). A training step then loads its kernels (cuBLAS and its
+#   workspace, attention, NCCL's own), so nbtrain takes 512 MiB.
+# - NCCL: each communicator keeps per-channel buffers (NCCL_BUFFSIZE, 4 MiB for the Simple protocol, plus LL and
+#   LL128), linear in the channels (NVIDIA/nccl#986), and NVLink on H100 runs up to 32 channels
+#   (NVIDIA/nccl#1685). A plan uses a communicator per process group it reduces over (data parallel, and TP or the
+#   pipeline's). 512 MiB: with the context, 1 GiB per device, as measured on 8 x H100 before NCCL's all-to-all
+#   (1.06 GB outside PyTorch's allocator, NVIDIA/nccl#1685). Only with more than one device.
+# The caching allocator's fragmentation, which does grow with the model, is not modelled.
+CUDA_CONTEXT_BYTES = 512 * MiB
+NCCL_BUFFER_BYTES = 512 * MiB
+
+
+def reserve_parts(cluster: Cluster, options: "CostOptions | None" = None) -> tuple[tuple[str, int], ...]:
+    """What the reserve per device is made of, as (what, bytes) pairs, and so its sum: the CUDA context
+    (512 MiB) and, with more than one device, NCCL's buffers (512 MiB) on a GPU; nothing on the CPU; or the one
+    figure ``CostOptions.reserve_bytes`` gives. Sources in the comment above."""
+    if options is not None and options.reserve_bytes is not None:
+        return (("CostOptions.reserve_bytes", int(options.reserve_bytes)),) if options.reserve_bytes else ()
+    if cluster.device == "cpu":
+        return ()
+    parts = [("CUDA context and kernels", CUDA_CONTEXT_BYTES)]
+    if cluster.num_devices > 1:
+        parts.append(("NCCL buffers", NCCL_BUFFER_BYTES))
+    return tuple(parts)
 
 
 @dataclass(frozen=True)
@@ -63,8 +97,8 @@ class CostOptions:
     """Knobs of the cost model; the defaults are what nbtrain's executor does."""
 
     reserve_bytes: int | None = None
-    """Memory per device the model cannot use (CUDA context, NCCL buffers, allocator slack); ``None``: 1 GiB on
-    GPUs, none on the CPU."""
+    """Memory per device the model cannot use; ``None``: the CUDA context (512 MiB) and, on more than one device,
+    NCCL's buffers (512 MiB) on a GPU, none on the CPU (:func:`reserve_parts`, which cites the figures)."""
     overlap_slowdown: float = 1.3
     """Slowdown of a collective overlapped with compute (Galvatron-BMW's measured coefficient)."""
     offload_overlap: bool = True
@@ -161,6 +195,8 @@ class Prediction:
     time: Time
     budget_bytes: float
     host_budget_bytes: float
+    reserve_parts: tuple[tuple[str, float], ...] = ()
+    """What each stage's ``memory.reserve`` is made of: (what, bytes per device) pairs (:func:`reserve_parts`)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -176,13 +212,16 @@ class Prediction:
         d = asdict(self)
         d["memory_bytes"] = self.memory_bytes
         d["fits"] = self.fits
+        d["reserve_parts"] = {what: nbytes for what, nbytes in self.reserve_parts}
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Prediction":
         stages = tuple(StagePrediction(**{**s, "memory": Memory(**s["memory"])}) for s in d["stages"])
-        keep = {k: v for k, v in d.items() if k not in ("memory_bytes", "fits", "stages", "time")}
-        return cls(**keep, stages=stages, time=Time(**d["time"]))
+        keep = {k: v for k, v in d.items() if k not in ("memory_bytes", "fits", "stages", "time", "reserve_parts")}
+        parts = d.get("reserve_parts") or {}
+        parts = tuple(parts.items()) if isinstance(parts, dict) else tuple(tuple(p) for p in parts)
+        return cls(**keep, stages=stages, time=Time(**d["time"]), reserve_parts=parts)
 
 
 def _ring(k: int, nbytes: float, bandwidth: float) -> float:
@@ -199,8 +238,8 @@ class CostModel:
         self.global_batch = global_batch
         self.seq_len = seq_len or profile.seq_len
         self.budget = float(budget_bytes if budget_bytes is not None else cluster.device_memory)
-        self.reserve = options.reserve_bytes if options.reserve_bytes is not None else (
-            0 if cluster.device == "cpu" else GiB)
+        self.reserve_parts = reserve_parts(cluster, options)
+        self.reserve = sum(nbytes for _, nbytes in self.reserve_parts)
         self.e = profile.dtype_bytes
         self.host_budget = cluster.host_memory / cluster.devices_per_node
         on = profile.measured_on or ""
@@ -335,7 +374,7 @@ class CostModel:
         model_flops = self.profile.at(self.global_batch, self.seq_len).flops_per_step
         peak = self.cluster.num_devices * self.cluster.peak_flops
         return Prediction(step, self.global_batch * self.seq_len / step, model_flops / (step * peak), stages,
-                          total, self.budget, self.host_budget)
+                          total, self.budget, self.host_budget, self.reserve_parts)
 
     def check(self, plan: Plan) -> None:
         """Reject plans this model and cluster cannot take, with what to change."""

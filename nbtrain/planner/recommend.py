@@ -6,16 +6,18 @@
     >>> best = nbtrain.plan(prof, cluster, global_batch=64, seq_len=2048)
     >>> print(best.summary())
     >>> print(best.table())
-    >>> print(compare(best, prof, cluster))                 # against DDP, FSDP, Megatron TP, TP+PP, ZeRO-Offload
+    >>> from nbtrain.planner.report import comparison_table
+    >>> print(comparison_table(best, nbtrain.baselines(prof, cluster, global_batch=64)))  # DDP, FSDP, Megatron TP, ...
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, respects_ties, search
+from nbtrain.planner.search import SearchOptions, executor_problem, leanest, respects_ties, search
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -90,10 +92,18 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
          strategy: str | None = None, top: int = 3, options: SearchOptions = SearchOptions(),
          cost_options: CostOptions = CostOptions()) -> Plan:
     """The fastest plan that fits ``memory`` per device (default: the device's), with its prediction and the
-    next best ``top − 1`` alternatives. ``strategy`` evaluates a typed plan instead of searching.
+    next best ``top − 1`` alternatives. ``strategy`` evaluates a typed plan instead of searching (with a note when
+    the executor cannot run it).
+
+    ``memory`` is each device's whole memory: the reserve (the CUDA context and NCCL's buffers, 1 GiB per GPU of
+    a multi-GPU cluster; :func:`nbtrain.planner.cost.reserve_parts`) comes out of it before the model, and the
+    table and ``to_dict()`` show it beside the model's own bytes. A small global batch on many devices gets
+    tensor and pipeline parallelism, which need no sequence per device.
 
     ``profile`` is a :class:`ModelProfile` or anything :func:`nbtrain.profile` takes (it is then profiled at
-    ``seq_len``). Raises :class:`NoFeasiblePlanError` with the memory the leanest plan would need.
+    ``seq_len``). When nothing fits, raises :class:`NoFeasiblePlanError` naming the true cause: the reserve alone
+    over the budget, or the memory the leanest plan would need (always more than the budget), or a global batch,
+    heads or tied layers that no plan can split over the devices.
     """
     from nbtrain.units import parse_bytes
 
@@ -110,60 +120,110 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
                            global_batch=global_batch, seq_len=seq_len, model=profile.model)
         model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
                           options=cost_options)
-        return typed.replace(predicted=model.estimate(typed))
+        problem = executor_problem(profile, typed)
+        notes = (f"nbtrain's executor cannot run this plan yet: {problem}",) if problem else ()
+        return typed.replace(predicted=model.estimate(typed), notes=notes)
     found = search(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=budget, top=top,
                    options=options, cost_options=cost_options)
     # the baselines are plans too: the recommendation is never slower than one that fits
     known = [b.plan for b in baselines(profile, cluster, global_batch=global_batch, seq_len=seq_len,
                                        memory=budget, cost_options=cost_options)
-             if b.fits and b.options == cost_options and respects_ties(profile, b.plan)]
+             if b.fits and b.options == cost_options and not executor_problem(profile, b.plan)]
     ranked = sorted(found + [p for p in known if p not in found], key=lambda p: p.predicted.step_time_s)
-    if not ranked:
-        raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options,
-                                                  options))
-    best, rest = ranked[0], tuple(ranked[1:top])
     notes = (f"tensor parallelism was not searched: {profile.arch['no_tensor_parallel']}",) \
         if profile.arch.get("no_tensor_parallel") else ()
+    if not ranked:
+        lean = leanest(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=budget,
+                       options=options, cost_options=cost_options)
+        if lean is not None and lean.predicted.fits:  # the search missed it (its merged frontier): take it
+            return lean.replace(predicted=lean.predicted, notes=notes)
+        raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, lean, options))
+    best, rest = ranked[0], tuple(ranked[1:top])
     return best.replace(predicted=best.predicted, alternatives=rest, notes=notes)
 
 
-def _no_fit_message(profile, cluster, global_batch, seq_len, budget, cost_options,
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _largest_power_of_two_dividing(n: int, at_most: int) -> int:
+    return max(k for k in _power_of_two_divisors(n) if k <= at_most) if at_most >= 1 else 1
+
+
+def _need(need: float, budget: float) -> str:
+    """``need`` bytes rounded up (never shown as less than it is), told apart from the budget's figure."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if need >= size:
+            text = f"{math.ceil(need / size * 100 - 1e-9) / 100:.2f} {unit}"
+            break
+    else:
+        text = f"{math.ceil(need)} B"
+    return text if text != format_bytes(budget) else f"{math.ceil(need):,} bytes"
+
+
+def _no_fit_message(profile, cluster, global_batch, lean: Plan | None,
                     options: SearchOptions = SearchOptions()) -> str:
-    """Say what the leanest plan the search was allowed would need, and what to change."""
+    """Why no plan fits, with the numbers: the reserve, the leanest plan's memory (always more than the budget, or
+    its host memory more than the host's), or what cannot be split."""
     n = cluster.num_devices
-    lean = []
-    for pp in _power_of_two_divisors(n):
-        if pp > len(profile.layers):
-            continue
-        m = global_batch
-        d = n // pp
-        dp = max(k for k in _power_of_two_divisors(d) if global_batch % (m * k) == 0) if global_batch % m == 0 else 1
-        tp = d // dp
-        layers = (Strategy(dp_shard=dp, tp=tp, ac=options.allow_ac, offload=max(options.offload_levels)),) * \
-            len(profile.layers)
-        try:
-            candidate = Plan(num_devices=n, layers=layers, pp=pp, microbatches=m, global_batch=global_batch,
-                             seq_len=seq_len, model=profile.model)
-            model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
-                              options=cost_options)
-            lean.append((model.estimate(candidate).memory_bytes, candidate))
-        except Exception:  # a lean shape this model cannot take (heads, batch): try the next
-            continue
-    budget_text = format_bytes(budget if budget is not None else cluster.device_memory)
-    if not lean:  # no shape at all: the batch, the heads or the layers cannot be split over n devices
-        heads = profile.arch.get("n_head")
-        limits = [f"data-parallel degree × micro-batches must divide the global batch ({global_batch})",
-                  f"a pipeline has at most {len(profile.layers)} stages (the layers)"]
-        if heads:
-            limits.append(f"tensor parallelism splits at most {heads} attention heads")
-        if profile.layers[-1].tied:
-            limits.append("the tied embedding and head stay in one stage without tensor parallelism, so those "
-                          f"layers need data parallelism over all {n} devices")
-        return (f"no plan splits this model over {n} devices with a global batch of {global_batch}: "
-                f"{'; '.join(limits)}. Use a global batch that is a multiple of {n}, or fewer devices")
-    need, leanest = min(lean, key=lambda x: x[0])
+    if lean is None:
+        return _no_split_message(profile, cluster, global_batch, options)
+    pred = lean.predicted
+    need, budget, reserve = pred.memory_bytes, pred.budget_bytes, pred.stages[0].memory.reserve
+    where = f"no plan fits {format_bytes(budget)} per device on {n} × {cluster.device}"
+    given = [what for what, _ in pred.reserve_parts] == ["CostOptions.reserve_bytes"]
+    parts = "as CostOptions.reserve_bytes says" if given else \
+        _and([f"{what} {format_bytes(nbytes)}" for what, nbytes in pred.reserve_parts])
+    if reserve and reserve >= budget:
+        source = "" if given else "; sources in nbtrain/planner/cost.py"
+        return (f"{where}: nbtrain reserves {format_bytes(reserve)} of each device before the model ({parts}"
+                f"{source}), which alone does not fit; the leanest plan nbtrain knows, "
+                f"'{lean}', needs {_need(need - reserve, 0)} beside it, {_need(need, budget)} per device in all. "
+                f"Give at least {_need(need, budget)} per device, or set the reserve your runtime needs with "
+                "CostOptions(reserve_bytes=...)")
+    host = max(stage.host_bytes for stage in pred.stages)
+    if need <= budget and host > pred.host_budget_bytes:
+        return (f"{where}: the leanest plan nbtrain knows, '{lean}', fits the device ({format_bytes(need)}) but "
+                f"keeps {_need(host, pred.host_budget_bytes)} of optimizer state in host memory per device, more "
+                f"than its {format_bytes(pred.host_budget_bytes)}; use hosts with more memory, more devices, or "
+                "less offload (SearchOptions(offload_levels=(0.0, 0.5)))")
+    reserved = f" ({format_bytes(reserve)} of it reserved{',' if given else ':'} {parts})" if reserve else ""
     offload = "" if max(options.offload_levels) > 0 else \
         ", or let the plan update on the CPU (SearchOptions(offload_levels=(0.0, 0.5, 1.0)); %%autoparallel --offload)"
-    return (f"no plan fits {budget_text} per device on {n} × {cluster.device}: the leanest plan nbtrain knows, "
-            f"'{leanest}', needs {format_bytes(need)} per device; use devices with at least that much memory, more "
-            f"devices, or a smaller global batch or sequence length{offload}")
+    return (f"{where}: the leanest plan nbtrain knows, '{lean}', needs {_need(need, budget)} per device"
+            f"{reserved}; use devices with at least that much memory, more devices, or a smaller global batch or "
+            f"sequence length{offload}")
+
+
+def _at_most(devices: int) -> str:
+    return "one device" if devices == 1 else f"at most {devices} devices"
+
+
+def _no_split_message(profile, cluster, global_batch, options: SearchOptions) -> str:
+    """No plan at all, whatever the memory: say which split fails, with the numbers."""
+    n, node, layers = cluster.num_devices, cluster.devices_per_node, len(profile.layers)
+    start = f"no plan splits this model over {n} devices with a global batch of {global_batch}"
+    dp = _largest_power_of_two_dividing(global_batch, n)
+    if len(profile.layers) > 1 and profile.layers[-1].tied:
+        idle = n - global_batch if global_batch < n else None
+        short = f"a global batch of {global_batch} leaves {idle} of them without a sequence" if idle else             f"{global_batch} sequences do not split {n} ways"
+        return (f"{start}: its tied embedding and head share one weight, which the executor keeps in one pipeline "
+                f"stage without tensor parallelism, so those layers are data-parallel over all {n} devices, and "
+                f"{short}. Use a global batch that is a multiple of {n}, {_at_most(dp)}, or a model that does not "
+                "tie them (nbtrain.GPTConfig(tie_embeddings=False); tie_word_embeddings=False in a Hugging Face "
+                "config)")
+    heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
+    cap = min(node, n, options.max_tp or n)
+    if profile.arch.get("no_tensor_parallel"):
+        tp, why_tp = 1, f"no tensor parallelism ({profile.arch['no_tensor_parallel']})"
+    else:
+        tp = max(t for t in _power_of_two_divisors(cap) if not heads or heads % t == 0) if cap >= 1 else 1
+        kv = profile.arch.get("n_kv_head") not in (None, profile.arch.get("n_head"))
+        which = f"{heads} key/value heads" if kv else f"{heads} heads"
+        why_tp = f"tp ≤ {tp} (inside a node of {node}" + (f", dividing the {which})" if heads else ")")
+    pps = options.pp_degrees or [p for p in _power_of_two_divisors(n) if p <= layers]
+    pp = max([p for p in pps if n % p == 0 and p <= layers] or [1])
+    most = pp * tp * dp
+    return (f"{start}: at most pp={pp} stages ({layers} layers) × {why_tp} × dp={dp} (every data-parallel rank "
+            f"needs a sequence; {dp} is the largest power of two dividing {global_batch}) = {most} devices. Use a "
+            f"global batch that is a multiple of {max(n // (pp * tp), 1)}, or {_at_most(most)}")

@@ -1,7 +1,7 @@
 """Show a plan: a table with one row per pipeline stage, a one-line summary, and the comparison with baselines.
 
     >>> print(best.summary())
-    recommended: pp=1 · dp_shard=8 · tp=1 · ac on 31/34 · offload 0% · fits 15.98/16.00 GiB · 1.18 s/step
+    recommended: pp=1 · dp_replicate=1 · dp_shard=8 · tp=1 · ac on 32/34 · offload 0% · fits 15.79 GiB/16.00 GiB · 1.19 s/step
     >>> print(best.table())
     >>> print(comparison_table(best, baselines(profile, cluster, global_batch=64)))
 """
@@ -51,8 +51,8 @@ def plan_summary(plan: Plan, label: str = "recommended") -> str:
 def plan_table(plan: Plan) -> Table:
     """One row per pipeline stage: its layers and strategies, memory per device by category, time."""
     pred = plan.predicted
-    table = Table(["stage", "layers", "strategies", "params", "grads", "optimizer", "activations", "total",
-                   "time/µbatch"], align="llrrrrrrr")
+    table = Table(["stage", "layers", "strategies", "params", "grads", "optimizer", "activations", "reserved",
+                   "total", "time/µbatch"], align="llrrrrrrrr")
     table.title = f"{plan.model or 'plan'} on {plan.num_devices} devices: {plan}"
     for i, (start, end) in enumerate(plan.stage_ranges()):
         row = [str(i), f"{start}-{end - 1}", _layer_part(plan, start, end)]
@@ -60,7 +60,7 @@ def plan_table(plan: Plan) -> Table:
             stage = pred.stages[i]
             m = stage.memory
             row += [format_bytes(m.params), format_bytes(m.grads), format_bytes(m.optimizer),
-                    format_bytes(m.activations + m.transient), format_bytes(m.total),
+                    format_bytes(m.activations + m.transient), format_bytes(m.reserve), format_bytes(m.total),
                     format_seconds(stage.time_per_microbatch)]
         table.add(*row)
     if pred is not None:
@@ -78,8 +78,23 @@ def plan_table(plan: Plan) -> Table:
             table.footer.append(f"host memory for offloaded optimizer state: {format_bytes(host)} per device "
                                 f"(of {format_bytes(pred.host_budget_bytes)})")
         table.footer.append("activations include the transient peak of the largest layer's backward and recompute")
+        table.footer.append(reserve_line(pred))
     table.footer += [f"note: {note}" for note in plan.notes]
     return table
+
+
+def reserve_line(pred) -> str:
+    """What the "reserved" column holds: memory per device taken before the model, by part, and where the figure
+    comes from."""
+    reserve = max((stage.memory.reserve for stage in pred.stages), default=0.0)
+    parts = getattr(pred, "reserve_parts", ())
+    if not reserve:
+        return "reserved: nothing per device (no CUDA context or NCCL buffers on this device)"
+    if len(parts) == 1 and parts[0][0] == "CostOptions.reserve_bytes":
+        return f"reserved: {format_bytes(reserve)} per device before the model, as CostOptions.reserve_bytes says"
+    what = " + ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in parts)
+    return (f"reserved: {format_bytes(reserve)} per device before the model: {what} "
+            "(nbtrain.planner.cost.reserve_parts cites the figures)")
 
 
 def comparison_table(recommended: Plan, baselines) -> Table:

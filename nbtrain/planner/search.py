@@ -3,10 +3,16 @@
     >>> plans = search(profile, cluster, global_batch=64, seq_len=2048)      # best first
     >>> str(plans[0]), plans[0].predicted.step_time_s
 
-For every pipeline degree ``pp`` (powers of two up to the layer count) and micro-batch count ``m`` (powers of two,
-``pp ≤ m ≤`` global batch), the per-layer strategies come from the pruned space of
+For every pipeline degree ``pp`` (powers of two up to the layer count) and micro-batch count ``m`` (the divisors of
+the global batch that are powers of two or leave a power of two of sequences per micro-batch: 1, 2, 3, 4, 6, 12
+for 12), the per-layer strategies come from the pruned space of
 :func:`~nbtrain.planner.strategy.strategy_space` (TP inside a node and dividing the heads, each data-parallel rank
-with at least one sequence; CPU update offload only without pipeline stages, as the executor runs it). Per stage, :mod:`.frontier` finds the fastest strategies under the memory budget
+with at least one sequence; CPU update offload only without pipeline stages or TP anywhere in the plan, as the
+executor runs it). Fewer micro-batches than stages (a global batch of 2 over 4 stages) run GPipe's schedule, which
+PyTorch takes with any count, where its ``Schedule1F1B`` refuses them: so a small batch on many devices gets a
+plan, as tensor and pipeline parallelism need no sequence per device. A tied embedding and head stay in one stage,
+unsplit by TP (as the executor runs them), so those layers are data-parallel over every device and the batch must
+split that many ways. Per stage, :mod:`.frontier` finds the fastest strategies under the memory budget
 exactly. Stage boundaries are chosen exactly too: ``Σᵢ Tᵢ + (m − 1)·maxᵢ Tᵢ`` is minimised over every partition by
 fixing the largest stage time ``τ`` (each candidate at once, vectorised) and minimising the sum of stage times
 under it — the balance of time *and* memory that Galvatron-BMW's paper asks for, where its public code splits
@@ -33,7 +39,8 @@ class SearchOptions:
 
     schedules: tuple[str, ...] = ("1f1b",)
     """Pipeline schedules. GPipe keeps all micro-batches in flight for the same bubble, so under this cost model it
-    never beats 1F1B; add ``"gpipe"`` to search it anyway."""
+    never beats 1F1B; add ``"gpipe"`` to search it anyway. With fewer micro-batches than stages, which 1F1B cannot
+    run, GPipe is searched whatever this says."""
     offload_levels: tuple[float, ...] = (0.0, 0.5, 1.0)
     """Fractions of a layer's optimizer update that may run on the CPU."""
     allow_ac: bool = True
@@ -42,7 +49,7 @@ class SearchOptions:
     pp_degrees: tuple[int, ...] | None = None
     """Pipeline degrees to try (default: every power of two up to the devices and the layers)."""
     microbatches: tuple[int, ...] | None = None
-    """Micro-batch counts to try (default: every power of two from pp to the global batch)."""
+    """Micro-batch counts to try (default: :func:`microbatch_counts`); counts below ``pp`` run GPipe."""
     memory_grid: int = 64
     """Cells the memory budget is cut into when a stage's frontier grows large (0: always exact)."""
 
@@ -106,20 +113,25 @@ class _Solver:
         return per_microbatch * (1 + (self.task.microbatches - 1) / self.task.pp)
 
     def _host_fits(self) -> np.ndarray:
-        """Strategies whose offload level fits the host memory even in the worst case.
+        """Strategies that fit the host memory even in the worst case.
 
         Offloaded optimizer state adds up over a stage's layers in host memory. Rather than carry host memory as a
-        third resource through the frontier, an offload level is searched only when every layer offloading at that
-        level with its most host-hungry strategy still fits: exact whenever the host is not the limit (hosts have
-        far more memory than devices), and never a plan over the host's memory when it is.
+        third resource through the frontier, strategies are admitted from the least host-hungry up (by host bytes
+        per byte of optimizer state: the offloaded fraction over the shard degree, 0 without offload) while every
+        layer taking its most host-hungry admitted strategy still fits: exact whenever the host is not the limit
+        (hosts have far more memory than devices), and never a plan over the host's memory when it is. (Admitting
+        a whole offload level at once, as before, refused ZeRO-3 offload over 8 devices because DDP's unsharded
+        offload at that level would not fit.)
         """
-        levels = np.array([s.offload for s in self.task.space])
         host = {k: np.array([c.host_bytes for c in v]) for k, v in self.costs.items()}
-        allowed = np.ones(len(levels), dtype=bool)
-        for level in set(levels.tolist()) - {0.0}:
-            worst = sum(float(host[k][levels == level].max()) for k in self.kind)
+        share = np.array([s.offload / s.dp_shard for s in self.task.space])
+        allowed = share == 0
+        for t in np.unique(share[share > 0]):
+            admitted = share <= t
+            worst = sum(float(host[k][admitted].max()) for k in self.kind)
             if worst > self.model.host_budget:
-                allowed &= levels != level
+                break
+            allowed = admitted
         return allowed
 
     def _undominated(self, kind: int) -> np.ndarray:
@@ -209,6 +221,26 @@ class _Solver:
         return float(objective[j]), ranges, chosen
 
 
+def microbatch_counts(global_batch: int) -> tuple[int, ...]:
+    """The micro-batch counts the search tries: divisors of the global batch that are a power of two, or that leave
+    a power of two of sequences per micro-batch (which power-of-two data-parallel degrees split), ascending.
+
+        >>> microbatch_counts(12), microbatch_counts(3), microbatch_counts(64)[-1]
+        ((1, 2, 3, 4, 6, 12), (1, 3), 64)
+    """
+    powers = [2**k for k in range(global_batch.bit_length())]
+    return tuple(sorted({m for m in powers if global_batch % m == 0} |
+                        {global_batch // b for b in powers if global_batch % b == 0}))
+
+
+def _schedules(pp: int, microbatches: int, opts: SearchOptions) -> tuple[str, ...]:
+    """1F1B needs at least as many micro-batches as stages (PyTorch's Schedule1F1B raises otherwise); GPipe runs
+    any count, and with ``m < pp`` it is the only schedule the executor can run."""
+    if pp == 1 or microbatches >= pp:
+        return opts.schedules
+    return ("gpipe",)
+
+
 def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
     profile, cluster, batch = model.profile, model.cluster, model.global_batch
     n = len(profile.layers)
@@ -217,9 +249,9 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
     pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
     tasks = []
     for pp in pps:
-        if cluster.num_devices % pp:
+        if cluster.num_devices % pp or pp > n:
             continue
-        counts = opts.microbatches or tuple(m for m in (2**k for k in range(20)) if pp <= m <= batch)
+        counts = opts.microbatches or microbatch_counts(batch)
         for m in counts:
             if batch % m:
                 continue
@@ -229,13 +261,45 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
                                                allow_ac=opts.allow_ac,
                                                zero_levels=opts.zero_levels)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)]
-            if not space:
-                continue
-            layouts = sorted({s.layout for s in space})
-            layout_of = np.array([layouts.index(s.layout) for s in space])
-            for schedule in opts.schedules:
-                tasks.append(_Task(pp, m, schedule, space, layouts, layout_of))
+            # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallelize.check_plan), so
+            # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
+            spaces = [[s for s in space if not s.offload]]
+            if any(s.offload for s in space):
+                spaces.append([s for s in space if s.tp == 1])
+            for part in spaces:
+                if not part:
+                    continue
+                layouts = sorted({s.layout for s in part})
+                layout_of = np.array([layouts.index(s.layout) for s in part])
+                for schedule in _schedules(pp, m, opts):
+                    tasks.append(_Task(pp, m, schedule, part, layouts, layout_of))
     return tasks
+
+
+def _is_tied(profile: ModelProfile) -> bool:
+    return len(profile.layers) > 1 and bool(profile.layers[-1].tied)
+
+
+def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
+    """The options as the search applies them: a tied embedding and head keep the model in one stage."""
+    return replace(options, pp_degrees=(1,)) if _is_tied(profile) else options
+
+
+def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float) -> list[_Solver]:
+    """One solver per task the search may take; a tied embedding and head get one per strategy they may share
+    (no TP: the executor keeps the shared weight whole, in one FSDP group)."""
+    profile = model.profile
+    kinds = _layer_kinds(profile)
+    out = []
+    for task in _tasks(model, _allowed(profile, options)):
+        if not _is_tied(profile):
+            out.append(_Solver(model, task, budget, kinds, grid))
+            continue
+        last = len(profile.layers) - 1
+        shared = [j for j, s in enumerate(task.space) if s.tp == 1]
+        candidates = [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
+        out += [c for c in candidates if c.allowed[c.forced[0]]]  # its offload level must fit the host
+    return out
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
@@ -247,19 +311,10 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
     budget = model.budget - model.reserve
     found: list[tuple[float, Plan]] = []
     kinds = _layer_kinds(profile)
+    if budget <= 0:  # the reserve alone fills the budget: nothing fits (recommend.py says so)
+        return []
     grid = budget / options.memory_grid if options.memory_grid else 0.0
-    tied = len(profile.layers) > 1 and bool(profile.layers[-1].tied)
-    if tied:  # the executor keeps a shared weight in one FSDP group, in one stage, unsplit by TP
-        options = replace(options, pp_degrees=(1,))
-    solvers = []
-    for task in _tasks(model, options):
-        if not tied:
-            solvers.append(_Solver(model, task, budget, kinds, grid))
-            continue
-        last = len(profile.layers) - 1
-        shared = [j for j, s in enumerate(task.space) if s.tp == 1]
-        candidates = [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
-        solvers += [c for c in candidates if c.allowed[c.forced[0]]]  # its offload level must fit the host
+    solvers = _solvers(model, options, budget, grid)
     # visit tasks by a lower bound on their step time (no memory limit, no re-layouts or transfers)
     solvers.sort(key=lambda solver: solver.lower_bound)
     for solver in solvers:
@@ -320,3 +375,66 @@ def respects_ties(profile: ModelProfile, plan: Plan) -> bool:
         return True
     first, last = plan.layers[0], plan.layers[-1]
     return plan.pp == 1 and first == last and first.tp == 1
+
+
+def executor_problem(profile: ModelProfile, plan: Plan) -> str:
+    """Why nbtrain's executor cannot run ``plan`` (which the cost model can still predict), or ``""``; the search
+    never returns such a plan. Checked by ``nbtrain.run.parallelize.check_plan`` and PyTorch before a launch."""
+    if not respects_ties(profile, plan):
+        return ("the embedding and the head share their weight, which the executor keeps in one pipeline stage, "
+                "unsplit by tensor parallelism and with one strategy (pp=1, tp=1 on the first and last layers)")
+    if plan.pp > 1 and plan.schedule == "1f1b" and plan.microbatches < plan.pp:
+        return (f"1F1B needs at least as many micro-batches as stages (mb={plan.microbatches} < pp={plan.pp}); "
+                f"use mb={plan.pp} or more, or schedule=gpipe")
+    offloaded = any(s.offload for s in plan.layers)
+    if offloaded and (plan.pp > 1 or any(s.tp > 1 for s in plan.layers)):
+        return "the executor runs the CPU update offload with data parallelism in one stage, not with tp or pp"
+    return ""
+
+
+def leanest(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
+            memory: float | None = None, options: SearchOptions = SearchOptions(),
+            cost_options: CostOptions = CostOptions()) -> Plan | None:
+    """The plan of least memory per device among those :func:`search` may choose, with its prediction against
+    ``memory``; ``None`` when the search may choose no plan at all, whatever the memory: the global batch, the
+    heads, the layers or a tied embedding cannot be split over the devices.
+
+    Per task (pp, micro-batches, schedule, space) with its stages split evenly, each stage's memory is
+    ``Σ resident + max transient``; it is least for the ``T`` among the transients that minimises ``T`` plus, per
+    layer, the least resident bytes of a strategy whose transient is at most ``T``: exact for that split."""
+    model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
+                      options=cost_options)
+    best = None
+    for solver in _solvers(model, options, max(model.budget - model.reserve, 1.0), 0.0):
+        task = solver.task
+        shape = Plan(num_devices=cluster.num_devices, layers=(task.space[0],) * len(profile.layers), pp=task.pp)
+        chosen: list[int] = []
+        for stage, (start, end) in enumerate(shape.stage_ranges()):
+            k = solver.in_flight(stage)
+            options_of = [np.array([solver.forced[i]]) if i in solver.forced else np.flatnonzero(solver.allowed)
+                          for i in range(start, end)]
+            ceilings = np.unique(np.concatenate([solver.transient[solver.kind[i]][c]
+                                                 for i, c in zip(range(start, end), options_of)]))
+            stage_best = None
+            for ceiling in ceilings:
+                picks, total = [], float(ceiling)
+                for i, c in zip(range(start, end), options_of):
+                    kind = solver.kind[i]
+                    ok = c[solver.transient[kind][c] <= ceiling]
+                    if len(ok) == 0:
+                        break
+                    j = int(ok[int(np.argmin(solver.resident(kind, k)[ok]))])
+                    picks.append(j)
+                    total += float(solver.resident(kind, k)[j])
+                else:
+                    if stage_best is None or total < stage_best[0]:
+                        stage_best = total, picks
+            chosen += stage_best[1]
+        plan = Plan(num_devices=cluster.num_devices, layers=tuple(task.space[j] for j in chosen), pp=task.pp,
+                    microbatches=task.microbatches, schedule=task.schedule, global_batch=global_batch,
+                    seq_len=model.seq_len, model=profile.model)
+        prediction = model.estimate(plan)
+        key = (prediction.memory_bytes, max(stage.host_bytes for stage in prediction.stages))
+        if best is None or key < best[0]:
+            best = key, plan.replace(predicted=prediction)
+    return None if best is None else best[1]
