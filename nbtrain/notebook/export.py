@@ -1,6 +1,8 @@
 """Write a run as a clean notebook that papermill executes as is: the model code, the plan, the launch, checks.
 
     >>> export_cell("run.ipynb", "model = nbtrain.build_preset('llama-tiny')", "model", plan, processes=2, steps=5)
+    PosixPath('run.ipynb')
+
     $ papermill run.ipynb run-out.ipynb -k nbtrain -p steps 20
 
 ``%%autoparallel ... --export run.ipynb`` calls this with the cell's own code; ``nbtrain export MODEL --strategy

@@ -7,7 +7,9 @@
     >>> best = nbtrain.plan(prof, cluster, global_batch=32, seq_len=1024)
     >>> memory_plot(best)                                     # one stacked bar per pipeline stage, budget dashed
     >>> memory_plot([best, *nbtrain.baselines(prof, cluster, global_batch=32)])    # side by side with baselines
-    >>> result = nbtrain.fit(model, batches, plan=best, steps=20, num_processes=2)
+    >>> model = nbtrain.build_preset("gpt-tiny", device="cpu")               # a small GPT, trained here
+    >>> result = nbtrain.fit(model, batches, plan="dp_shard=2", steps=20, num_processes=2,
+    ...                      cluster=nbtrain.Cluster.detect())               # batches: (ids, targets) global batches
     >>> step_time_plot(result), timeline_plot(result)
     >>> timeline_plot([("device", "backward 11", 0.0, 0.8), ("cpu", "update 11", 0.5, 1.1)])
 
@@ -184,7 +186,7 @@ def _labelled_results(results) -> list[tuple[str, object]]:
 def step_time_plot(results, ax=None):
     """Predicted against measured step time per run, the ratio measured / predicted above each pair.
 
-        >>> step_time_plot(nbtrain.fit(model, batches, plan="dp_shard=2", steps=20, cluster=cluster))
+        >>> step_time_plot(nbtrain.fit(model, batches, plan="dp_shard=2", steps=20, num_processes=2, cluster=cluster))
         >>> step_time_plot({"dp_shard=2": a, "tp=2": b})          # several runs, labelled
 
     ``results`` is a FitResult, a list of them, or a dict label → FitResult. Measured is the median step time after

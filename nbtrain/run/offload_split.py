@@ -1,9 +1,11 @@
 """Which part of each layer's AdamW update runs on the CPU: the cut inside a layer, and the split point of a model.
 
-    >>> cut_layer([w, b], 0.5)                  # the CPU takes the last half of the layer's elements
-    [Cut(param=w, start=0, stop=..., on_cpu=False), Cut(param=w, ..., on_cpu=True), Cut(param=b, ..., on_cpu=True)]
-    >>> balanced_offload(backward_s=[...], cpu_update_s=[...], device_update_s=[...], forward_s=[...])
-    [0.0, 0.0, 0.6, 1.0, 1.0, 1.0]              # CoTrain's split: the first layers keep their update on the device
+    >>> w, b = torch.zeros(4, 3), torch.zeros(4)       # one layer's parameters: 16 elements
+    >>> [(c.param is w, c.start, c.stop, c.on_cpu) for c in cut_layer([w, b], 0.5)]   # the CPU takes the last half
+    [(True, 0, 8, False), (True, 8, 12, True), (False, 0, 4, True)]
+    >>> balanced_offload(backward_s=[1.0] * 6, cpu_update_s=[2.0] * 6, device_update_s=[0.5] * 6,
+    ...                  forward_s=[0.5] * 6)   # seconds per layer; CoTrain's split: the first layers stay on the device
+    [0.0, 0.0, 0.6, 1.0, 1.0, 1.0]
 
 Both follow one observation (CoTrain, REFERENCE.md): backward produces gradients from the last layer to the first,
 and the next forward needs the weights from the first layer to the last. What backward produces first can be

@@ -2,7 +2,7 @@
 
     >>> switching = HotSwitching(lambda: GPT(config), {512: "dp_replicate=2", 2048: "dp_shard=2", 8192: "tp=2"},
     ...                          lr=3e-4)                  # in every worker, after the process group exists
-    >>> for buckets in length_batches(docs, tokens_per_step=16384, bounds=[512, 2048, 8192]):
+    >>> for buckets in length_batches(docs, tokens_per_step=16384, bounds=[512, 2048, 8192], steps=10):
     ...     record = switching.step(buckets)              # SwitchStepRecord: loss, seconds, switches
     >>> switching.home                                    # the longest bucket's model: master weights, optimizer
 

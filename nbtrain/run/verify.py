@@ -1,6 +1,6 @@
 """Check that a plan trains like one process: same seed, data and steps must give the same losses and weights.
 
-    $ nbtrain verify gpt-tiny --strategy "pp=2 mb=2 | dp_shard=2" --processes 4 --steps 5
+    $ nbtrain verify llama-tiny --strategy "pp=2 mb=2 | dp_shard=2" --processes 4 --steps 5
 
     >>> report = verify("llama-tiny", "dp_shard=2 tp=2 ac", processes=4, steps=5)
     >>> print(report); report.ok
