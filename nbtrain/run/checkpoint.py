@@ -194,8 +194,9 @@ def _decode(text: str | None) -> torch.Tensor | None:
     return None if text is None else torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def folder_for_run(model: torch.nn.Module, checkpoint_dir, every, resume: bool):
-    """``fit``'s checkpoint folder and the checkpoint to start from (None: afresh), checked before launching."""
+def folder_for_run(model: torch.nn.Module, checkpoint_dir, every, resume: bool, steps: int | None = None):
+    """``fit``'s checkpoint folder and the checkpoint to start from (None: afresh), checked before launching.
+    Resuming a run already at ``steps`` or beyond trains nothing: a note says so."""
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise InvalidArgumentError(f"checkpoint_every must be a positive number of steps, got {every!r}")
     if checkpoint_dir is None:
@@ -211,17 +212,26 @@ def folder_for_run(model: torch.nn.Module, checkpoint_dir, every, resume: bool):
                               "(nothing there was changed)")
     if latest is None:
         if resume:
-            print(f"no complete checkpoint in {folder.path} yet: training from step 0", flush=True)
+            _say(f"no complete checkpoint in {folder.path} yet: training from step 0")
         return folder, None
     check_same_model(latest, model)
     for stale in folder.partial():
         if _step_of(stale) > latest.step:
-            print(f"note: {stale.name} was never completed (a worker stopped while saving it); it is not used",
-                  flush=True)
+            _say(f"note: {stale.name} was never completed (a worker stopped while saving it); it is not used")
     saved = latest.progress()
-    print(f"resuming from {latest.path}: step {latest.step}, saved under '{saved.plan}' in {saved.num_processes} "
-          "process(es)", flush=True)
+    _say(f"resuming from {latest.path}: step {latest.step}, saved under '{saved.plan}' in {saved.num_processes} "
+         "process(es)")
+    if steps is not None and latest.step >= steps:
+        _say(f"note: the run in {folder.path} is already at step {latest.step} of steps={steps}: nothing to train; "
+             "pass a larger steps to go on")
     return folder, latest
+
+
+def _say(text: str) -> None:
+    """Print ``text`` once per run: in the launching process, or on rank 0 of torchrun's / accelerate's ranks (each
+    of which calls ``fit``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text, flush=True)
 
 
 def with_resume_hint(error: BaseException, folder, steps: int) -> BaseException:

@@ -5,14 +5,17 @@
     >>> error = timeout_error(workdir, 2, timeout=20)       # LaunchTimeoutError naming the rank that hung
 
 Each worker leaves ``rank{r}-pid{p}.stack`` when it starts (its stack dump on SIGUSR1) and ``rank{r}.err`` (time and
-traceback) when it raises. A rank killed by a signal (the out-of-memory killer, ``kill -9``) leaves no report, and its
-peers then fail with "connection reset by peer": torch's elastic agent reports whichever failed process it saw first,
-often a peer. The watcher keeps every worker process of the launch, so its exit status is known after the agent has
-reaped it; a rank that died silently while the reports only say that a peer went away is the cause.
+traceback) when it raises, and ``rank{r}.exit`` (status, where) when its function called ``sys.exit(N)``, N not 0
+(``sys.exit(0)`` is a rank that finished). A rank killed by a signal (the out-of-memory killer, ``kill -9``) leaves
+no report, and its peers then fail with "connection reset by peer": torch's elastic agent reports whichever failed
+process it saw first, often a peer. The watcher keeps every worker process of the launch, so its exit status is known
+after the agent has reaped it; a rank that died silently while the reports only say that a peer went away is the
+cause.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -20,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from nbtrain.errors import LaunchTimeoutError, WorkerError
@@ -75,8 +79,26 @@ class ChildWatcher:
         return codes
 
 
+def exit_status(stop: SystemExit) -> int:
+    """The process exit status Python gives ``sys.exit(code)``: 0 for ``None``, the int itself, 1 for anything else
+    (``sys.exit("message")`` prints the message and exits 1)."""
+    code = stop.code
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def write_exit_report(workdir, rank: int, stop: SystemExit, stack: traceback.StackSummary) -> None:
+    """In a worker whose function called ``sys.exit(N)`` with N not 0: its status and where it was called, which
+    :func:`worker_error` reads to name the rank as one that exited, not one that raised."""
+    where = f"{stack[-1].filename}, line {stack[-1].lineno}" if stack else None
+    (Path(workdir) / f"rank{rank}.exit").write_text(json.dumps(
+        {"status": exit_status(stop), "call": f"sys.exit({stop.code!r})", "where": where}))
+
+
 def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | None = None) -> WorkerError:
-    """The error for a launch in which a worker raised or died: the first rank to fail, with its traceback."""
+    """The error for a launch in which a worker raised or died: the first rank to fail, with its traceback (or, for
+    a rank that called ``sys.exit(N)``, its exit status and where it called it)."""
     reports = {}
     for path in Path(workdir).glob("rank*.err"):
         stamp, _, text = path.read_text().partition("\n")
@@ -91,10 +113,18 @@ def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | N
         return _died(rank, silent[rank], num_processes, sorted(reports))
     if not reports:
         return _died(rank, first.exitcode, num_processes, [])
-    rank = min(reports, key=lambda r: reports[r][0])
+    # A rank that lost its peer can write its report before the peer that failed has written its own.
+    causes = [r for r in reports if not _PEER_LOST.search(reports[r][1])] or list(reports)
+    rank = min(causes, key=lambda r: reports[r][0])
     text = reports[rank][1]
     others = sorted(r for r in reports if r != rank)
     also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
+    exited = Path(workdir) / f"rank{rank}.exit"
+    if exited.is_file():
+        report = json.loads(exited.read_text())
+        where = f" at {report['where']}" if report.get("where") else ""
+        return WorkerError(f"rank {rank} of {num_processes} exited with status {report['status']} "
+                           f"({report['call']}{where}){also}; the other workers were stopped", rank)
     return WorkerError(f"rank {rank} of {num_processes} failed: {text.splitlines()[-1]}{also}; the other workers "
                        f"were stopped. Fix the cause and run again. Traceback of rank {rank}:\n{text}",
                        rank, text)

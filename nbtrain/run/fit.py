@@ -9,15 +9,22 @@
 ``batches`` is a list (or any re-iterable) of ``(ids, targets)`` global batches, or a function ``step -> batch``.
 Workers are forked by :func:`nbtrain.launch`, so each starts with the parent's model and data; each parallelizes
 its copy, trains, and rank 0 gathers the full state dict, which is loaded back into ``model``.
+
+Under ``torchrun`` (or ``accelerate launch``, or in one process) ``fit`` runs in the calling process itself, on each
+rank: it parallelizes a deep copy of ``model`` (parallelizing converts a module in place: FSDP2 changes its class),
+rank 0's gathered weights and FitResult are sent to every rank, and each rank's ``model`` ends holding the trained
+weights, as with the forked launch.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -157,6 +164,8 @@ class _Run:
     checkpoint_every: int | None = None
     resume_from: Checkpoint | None = None
     """The complete checkpoint to go on from."""
+    every_rank: bool = False
+    """Every rank returns rank 0's result (under torchrun each rank is a caller of ``fit``)."""
 
 
 def _worker(model, plan: Plan, get_batch, run: _Run):
@@ -190,9 +199,15 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     trace = getattr(optimizer, "last_trace", None)
     if run.save_dir is not None:
         save_trained(model, mine, run.save_dir)
-        return (records, None, trace) if rank0 else None
-    state = gather_trained(model, plan, mine)
-    return (records, state, trace) if rank0 else None
+        result = (records, None, trace) if rank0 else None
+    else:
+        state = gather_trained(model, plan, mine)
+        result = (records, state, trace) if rank0 else None
+    if run.every_rank and dist.get_world_size() > 1:
+        sent = [result]
+        dist.broadcast_object_list(sent, src=0)
+        result = sent[0]
+    return result
 
 
 def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> list[StepRecord]:
@@ -265,7 +280,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     :mod:`nbtrain.run.checkpoint`). ``resume=True`` goes on from its newest complete checkpoint — under this call's
     plan and process count, whatever the saving run's were — to ``steps`` steps in all; with none there yet it starts
     afresh. If the run fails or is interrupted, the error says where the last checkpoint is."""
-    from nbtrain.run.launch import launch
+    from nbtrain.run.launch import launch, launched_externally, runs_in_this_process
     from nbtrain.run.parallelize import check_plan, layer_modules
 
     if not isinstance(steps, int) or steps < 1:
@@ -304,13 +319,20 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
-    folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume)
+    folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
-               None if folder is None else str(folder.path), checkpoint_every, start)
+               None if folder is None else str(folder.path), checkpoint_every, start,
+               every_rank=launched_externally())
+    here = runs_in_this_process(num_processes)
+    # Forked workers each parallelize their own copy of the model. Run here, the worker would convert the caller's
+    # model in place (FSDP2 swaps its class, TP its parameters for DTensors), which then cannot take the gathered
+    # weights back: it gets a copy, and seeds the RNG of its own (a forked run leaves the caller's alone).
+    trained = copy.deepcopy(model) if here else model
     try:
-        records, state, trace = launch(_worker, model, plan, get_batch, run, num_processes=num_processes,
-                                       timeout=timeout)
+        with torch.random.fork_rng(devices=[]) if here else nullcontext():
+            records, state, trace = launch(_worker, trained, plan, get_batch, run, num_processes=num_processes,
+                                           timeout=timeout)
     except (LaunchError, KeyboardInterrupt) as error:
         if folder is None:
             raise

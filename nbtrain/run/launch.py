@@ -8,6 +8,7 @@
     ...     rank_print("sum of ranks", int(t))   # "[rank 0] sum of ranks 1" and "[rank 1] sum of ranks 1"
     ...     return int(t)
     >>> launch(sum_of_ranks, num_processes=2, timeout=60)
+    Launching 2 workers on ...
     1
 
 Workers are forked by accelerate's ``notebook_launcher`` (torch's elastic agent underneath), so a function defined
@@ -43,7 +44,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbtrain.errors import InvalidArgumentError, LaunchError
-from nbtrain.run.failures import ChildWatcher, dump_stacks, timeout_error, worker_error, worker_processes
+from nbtrain.run.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
+                                  worker_processes, write_exit_report)
 
 # torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
@@ -70,7 +72,9 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     past ``timeout`` each worker's stacks are dumped, the workers are killed and :class:`LaunchTimeoutError` is
     raised, saying where each rank was and which one the others waited for (``error.ranks`` holds a
     :class:`~nbtrain.run.stacks.RankStack` per rank); Ctrl-C stops the workers and re-raises ``KeyboardInterrupt``.
-    In every case no worker process is left behind and the kernel lives on.
+    In every case no worker process is left behind and the kernel lives on. ``sys.exit()``, ``sys.exit(0)`` or
+    ``sys.exit(None)`` in ``fn`` (a script ending in ``sys.exit(main())``) is a rank that finished, returning None;
+    ``sys.exit(N)`` with N not 0 is a failure of that rank: :class:`WorkerError` names it with its exit status.
     """
     if not callable(fn):
         raise InvalidArgumentError(f"launch needs a function to run, got {type(fn).__name__}: launch(train, ...)")
@@ -80,7 +84,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     if timeout is not None and not timeout > 0:
         raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     pg_timeout = datetime.timedelta(seconds=timeout) if timeout else _PG_TIMEOUT
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a torchrun / accelerate launch worker
+    if launched_externally():  # already a torchrun / accelerate launch worker
         with _cpu_env(visible_gpus() == 0):
             return _run_in_group(fn, args, kwargs, int(os.environ["WORLD_SIZE"]), pg_timeout)
 
@@ -100,6 +104,18 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
             return _run_in_group(fn, args, kwargs, 1, pg_timeout)
     fork_pg_timeout = datetime.timedelta(seconds=timeout + _PG_MARGIN_S) if timeout else _PG_TIMEOUT
     return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, fork_pg_timeout, gpus)
+
+
+def launched_externally() -> bool:
+    """Whether this process is one rank of a group started by torchrun or ``accelerate launch`` (``RANK`` and
+    ``WORLD_SIZE`` are set): :func:`launch` then runs the function here, on this rank, instead of forking."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def runs_in_this_process(num_processes: int) -> bool:
+    """Whether ``launch(fn, num_processes=num_processes)`` calls ``fn`` in this process (one process, or a rank
+    of torchrun / ``accelerate launch``) rather than in forked workers, which start from a copy of this process."""
+    return num_processes == 1 or launched_externally()
 
 
 def rank_print(*args: Any, sep: str = " ", end: str = "\n", file=None) -> None:
@@ -222,10 +238,12 @@ class _Worker:
             if rank == 0:  # write then rename: the parent never reads half a file
                 (self.workdir / "result.tmp").write_bytes(pickle.dumps(result))
                 os.replace(self.workdir / "result.tmp", self.workdir / "result.pkl")
-        except BaseException:
+        except BaseException as error:
             # The first rank to fail is the cause; the others usually fail after it ("connection closed by peer").
             report = traceback.TracebackException(*sys.exc_info())
             report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
+            if isinstance(error, SystemExit):  # sys.exit(N), N not 0: _run_in_group let only those through
+                write_exit_report(self.workdir, rank, error, report.stack)
             (self.workdir / f"rank{rank}.err").write_text(f"{time.time()!r}\n{''.join(report.format())}")
             raise
 
@@ -258,11 +276,19 @@ def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
             raise LaunchError(f"rank {dist.get_rank()} sees a world of {dist.get_world_size()} processes, not "
                               f"{world_size}: the workers did not form one group (on a machine without a GPU, "
                               "ACCELERATE_USE_CPU=1 must be set before launching)")
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as stop:
+            if exit_status(stop) != 0:  # a failure of this rank: the launch names it with its status
+                raise
+            # sys.exit(), sys.exit(0), sys.exit(None): this rank finished (a script ending in sys.exit(main())).
+            # It leaves through the barrier below as a rank that returned: a worker that left without a return value
+            # would keep the forked launch's agent waiting for it forever.
+            result = None
         if created and dist.is_initialized():
             # No rank may close its sockets while another still talks to it: a rank that leaves early makes its
             # peers' last collective fail, or abort at exit ("terminate called without an active exception").
-            dist.barrier()
+            _barrier_at_the_end(pg_timeout)
             dist.destroy_process_group()
         return result
     except BaseException:
@@ -271,6 +297,24 @@ def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
         if created and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()
         raise
+
+
+def _barrier_at_the_end(pg_timeout: datetime.timedelta) -> None:
+    """The barrier a rank enters once its function has returned. Past the collectives' timeout, an error that says
+    what a rank alone there means (its traceback would show only torch's frames). It stays a plain ``barrier``: a
+    timed-out launch's stack dumps name it as the launch's closing barrier."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise LaunchError(f"rank {dist.get_rank()} finished, but the other ranks did not reach the end within the "
+                          f"collectives' timeout ({pg_timeout.total_seconds():g} s): one still waits in a collective "
+                          "this rank never called (did it return, or sys.exit(0), before a collective the others "
+                          "call?), or is still working; given a timeout (launch(..., timeout=S), fit(..., "
+                          "timeout=S)), the error says where each rank was") from None
 
 
 class _DropBanner:
@@ -382,7 +426,10 @@ def _port_is_free(port: int) -> bool:
 
 
 def run_script(path: str, argv: list[str]) -> None:
-    """Run a Python file as ``__main__`` with ``sys.argv = [path, *argv]`` (what ``nbtrain run`` does per rank)."""
+    """Run a Python file as ``__main__`` with ``sys.argv = [path, *argv]`` (what ``nbtrain run`` does per rank).
+
+    A ``sys.exit(...)`` in the script raises ``SystemExit`` out of here, as running it with ``python`` would end it;
+    :func:`launch` takes ``sys.exit(0)`` as the rank finishing and ``sys.exit(N)``, N not 0, as its failure."""
     import runpy
 
     saved = sys.argv
