@@ -35,6 +35,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbtrain", description="Plan and run hybrid-parallel PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -91,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive_int, default=10, help="training steps here (default 10)")
     d.set_defaults(run=_demo)
 
-    r = sub.add_parser("run", usage="nbtrain run SCRIPT [--plan PLAN] [--processes N] [-- SCRIPT ARGS ...]",
+    r = sub.add_parser("run", usage="nbtrain run SCRIPT [--plan PLAN] [--processes N] [--timeout S] [-- SCRIPT ARGS ...]",
                        help="run a training script in worker processes, with a plan file available",
                        description="Run SCRIPT in N processes of one process group (forked through accelerate; under "
                                    "torchrun or accelerate launch it simply runs). The plan's path is in "
@@ -99,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("script", help="a Python file")
     r.add_argument("--plan", default=None, help="a plan JSON file (nbtrain plan ... --json > plan.json)")
     r.add_argument("--processes", type=_positive_int, default=None, help="processes (default: the plan's devices)")
+    r.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                   help="seconds the run may take; past them every rank's place is named and the workers stopped "
+                        "(default: no limit)")
     r.set_defaults(run=_run_script)
 
     k = sub.add_parser("kernel", help="install the 'Python (nbtrain)' Jupyter kernel",
@@ -198,7 +211,7 @@ def _run_script(args) -> None:
                                    f"--json > {args.plan})")
         processes = plan.num_devices
         os.environ["NBTRAIN_PLAN"] = str(pathlib.Path(args.plan).resolve())
-    launch(run_script, args.script, args.script_args, num_processes=processes or 1)
+    launch(run_script, args.script, args.script_args, num_processes=processes or 1, timeout=args.timeout)
 
 
 def _verify(args) -> int:

@@ -202,6 +202,23 @@ def test_run_launches_the_plans_devices_and_passes_the_script_its_arguments(tmp_
 
 
 @pytest.mark.slow
+def test_run_timeout_stops_a_script_whose_rank_hangs_and_names_where_each_rank_was(tmp_path, capsys):
+    script = tmp_path / "hangs.py"
+    script.write_text("import time, torch, torch.distributed as dist\n"
+                      "if dist.get_rank() == 1:\n    time.sleep(600)\n"
+                      "dist.all_reduce(torch.ones(1))\n")
+    line = error_line(capsys, "run", str(script), "--processes", "2", "--timeout", "5")
+    assert line.startswith("nbtrain: error: the 2 workers ran past timeout=5 s and were killed.")
+    assert "Rank 1 never reached the collective the others wait in" in line
+
+
+def test_run_timeout_that_is_not_a_positive_number_exits_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "x.py", "--timeout", "0"])
+    assert stop.value.code == 2 and "argument --timeout: must be a positive number, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_demo_with_every_flag_plans_the_described_cluster_and_trains_here(tmp_path):
     shown = subprocess.run([NBTRAIN, "demo", "--gpus", "16", "--gpu", "A100-80GB", "--memory", "40GiB",
                             "--processes", "2", "--steps", "2"], capture_output=True, text=True, timeout=600,

@@ -228,3 +228,16 @@ def test_a_bad_batch_from_a_function_stops_the_run_at_its_step():
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     with pytest.raises(InvalidArgumentError, match="batch of step 1: targets"):
         nbtrain.fit(model, data, plan="ac", steps=3, num_processes=1, progress=False)
+
+
+def test_a_model_handed_over_in_eval_mode_trains_in_training_mode_with_its_dropout():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)).eval()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = (ids, torch.roll(ids, -1, dims=1))
+    with torch.no_grad():
+        without_dropout = nbtrain.profiler.model.lm_loss(model(batch[0]), batch[1]).item()
+    result = nbtrain.fit(model, [batch], plan="dp_replicate=1", steps=1, num_processes=1, progress=False)
+    assert result.losses[0] != pytest.approx(without_dropout, rel=1e-4)  # dropout 0.1 drew masks in step 1

@@ -148,7 +148,7 @@ def timeout_error(workdir, num_processes: int, timeout: float) -> LaunchTimeoutE
         if text.strip():
             dumps[int(STACK_FILE.fullmatch(path.name).group(1))] = text
     ranks = describe_ranks(dumps, num_processes, _notebook_cell_name())
-    error = LaunchTimeoutError(f"the {num_processes} workers ran past timeout={timeout} s and were killed. "
+    error = LaunchTimeoutError(f"the {num_processes} workers ran past timeout={timeout:g} s and were killed. "
                                f"{explain_hang(ranks)}")
     error.ranks = ranks
     return error

@@ -179,6 +179,7 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     from nbtrain.run.weights import gather_trained, save_trained, trained_prefixes
 
     torch.manual_seed(run.seed)
+    model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
     model = parallelize(model, plan, meshes)
