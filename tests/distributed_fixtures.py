@@ -44,12 +44,12 @@ def hf_llama():
     return LlamaForCausalLM(config)
 
 
-def hf_gpt2():
+def hf_gpt2(**overrides):
     """A transformers GPT-2 (tied embeddings, fused Conv1D attention) of a tiny config, dropout off."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **overrides)
     return GPT2LMHeadModel(config)
 
 

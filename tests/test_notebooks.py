@@ -80,7 +80,7 @@ def test_quickstart_plans_gpt2_and_trains_a_gpt_and_a_transformers_gpt2_here(tmp
     assert "recommended:" in everything and "FSDP (ZeRO-3)" in everything  # summary and comparison
     assert everything.count("measured step time") == 2  # both launches: the GPT and transformers' GPT-2
     assert "the trained weights are in model" in everything and "the trained weights are in hf_model" in everything
-    assert "GPT-2's fused q|k|v projection" in everything  # the planner says why it does not split GPT-2 by TP
+    assert "tensor parallelism was not searched" not in everything  # GPT-2's fused q|k|v splits by heads now
 
 
 def test_hybrid_parallel_tutorial_runs_and_every_plan_verifies(tmp_path):

@@ -87,10 +87,11 @@ def test_a_model_without_a_tensor_parallel_split_refuses_tp_with_the_reason():
     from nbtrain.planner.strategy import Plan
     from nbtrain.run.parallelize import check_plan
 
-    model = hf_gpt2()
+    model = hf_gpt2(add_cross_attention=True)
     plan = Plan.parse("0: dp_replicate=2; 1-2: tp=2; 3: dp_replicate=2", num_devices=2, num_layers=4)
-    with pytest.raises(InvalidPlanError, match="layer 1 asks for tp=2, but GPT-2's fused"):
+    with pytest.raises(InvalidPlanError, match="GPT-2 blocks with cross-attention have no tensor-parallel split"):
         check_plan(model, plan)
+    check_plan(hf_gpt2(), plan)  # without cross-attention the blocks split (tests/test_gpt2_parallel.py)
 
 
 @pytest.mark.parametrize("build,devices,plan,message", [

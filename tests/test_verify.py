@@ -61,8 +61,8 @@ def test_llama_of_the_default_config_trains_the_same_under_every_kind_of_plan(ca
 
 
 @pytest.mark.parametrize("plan,refusal", [
-    ("tp=2", "GPT-2's fused q|k|v projection (Conv1D c_attn) needs its own split"),
-    ("pp=2 mb=2", "the embedding and the head share their weight, so they cannot sit in different pipeline stages"),
+    ("0: tp=2; 1-2: tp=2; 3: dp_replicate=2", "share their weight, so they need the same data- and tensor-parallel "
+                                              "strategy"),
 ])
 def test_a_plan_the_executor_cannot_run_on_gpt2_is_refused_in_one_line_saying_why(capsys, plan, refusal):
     status, out, err = run_verify(capsys, "gpt2", plan)

@@ -45,6 +45,10 @@ class ModelFamily:
     """Context to enter while the profiler traces the model on fake tensors (see :func:`_hf_unpacked_batches`)."""
     no_tensor_parallel: str = ""
     """Why nbtrain cannot split this family's layers by tensor parallelism (empty: it can)."""
+    splits_tied: bool = False
+    """Whether the executor splits a tied embedding and head: vocabulary-parallel under tensor parallelism (one
+    DTensor for both), and across pipeline stages (a copy in the first and the last, their gradients summed), as
+    tests/test_gpt2_parallel.py checks. Otherwise the tie stays whole, in one stage."""
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.get_submodule(self.blocks_path)) if self.blocks_path else []
@@ -90,8 +94,7 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
     if model_type == "gpt2":
         return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
                            config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches,
-                           no_tensor_parallel="GPT-2's fused q|k|v projection (Conv1D c_attn) needs its own split, "
-                                              "which nbtrain does not have yet")
+                           splits_tied=True)
     return ModelFamily("hf-llama", path, config.vocab_size, config.max_position_embeddings, config.hidden_size,
                        config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
                        forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)

@@ -358,8 +358,20 @@ class CostModel:
                 time = time + Time(relayout=self.relayout(j, plan.layers[j - 1], plan.layers[j], plan.microbatches))
         if i < plan.pp - 1:
             time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp, i))
+        if plan.pp > 1 and i == plan.pp - 1 and self.profile.layers[-1].tied:
+            memory = memory + self._tied_copy(plan.layers[-1])
         host = sum(cost.host_bytes for cost in costs)
         return StagePrediction(start, end, k, memory, time.total, host), time
+
+    def _tied_copy(self, s: Strategy) -> Memory:
+        """The last stage's own copy of a weight tied to the first stage's embedding (Megatron-LM's embedding
+        group: both stages hold it and sum its gradients once a step, a cost left out of the step time): its
+        parameters, gradients and Adam state, under the head's strategy, as :meth:`layer` counts them."""
+        arch = self.profile.arch
+        p = (arch.get("vocab_size") or 0) * (arch.get("n_embd") or 0) / s.tp
+        shard, e = s.dp_shard, self.e
+        return Memory(params=p * e / (shard if s.zero == 3 else 1), grads=p * e / shard,
+                      optimizer=p * (8 + (4 if e < 4 else 0)) / shard * (1 - s.offload))
 
     def estimate(self, plan: Plan) -> Prediction:
         self.check(plan)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, executor_problem, leanest, respects_ties, search
+from nbtrain.planner.search import SearchOptions, executor_problem, keeps_tie_whole, leanest, respects_ties, search
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -204,7 +204,7 @@ def _no_split_message(profile, cluster, global_batch, options: SearchOptions) ->
     n, node, layers = cluster.num_devices, cluster.devices_per_node, len(profile.layers)
     start = f"no plan splits this model over {n} devices with a global batch of {global_batch}"
     dp = _largest_power_of_two_dividing(global_batch, n)
-    if len(profile.layers) > 1 and profile.layers[-1].tied:
+    if keeps_tie_whole(profile):
         idle = n - global_batch if global_batch < n else None
         short = f"a global batch of {global_batch} leaves {idle} of them without a sequence" if idle else             f"{global_batch} sequences do not split {n} ways"
         return (f"{start}: its tied embedding and head share one weight, which the executor keeps in one pipeline "

@@ -280,9 +280,15 @@ def _is_tied(profile: ModelProfile) -> bool:
     return len(profile.layers) > 1 and bool(profile.layers[-1].tied)
 
 
+def keeps_tie_whole(profile: ModelProfile) -> bool:
+    """Whether the executor keeps this model's tied embedding and head in one stage without tensor parallelism
+    (``splits_tied`` of its family is false); a family that splits them only needs one strategy for both."""
+    return _is_tied(profile) and not profile.arch.get("splits_tied")
+
+
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
-    """The options as the search applies them: a tied embedding and head keep the model in one stage."""
-    return replace(options, pp_degrees=(1,)) if _is_tied(profile) else options
+    """The options as the search applies them: a tied embedding and head kept whole keep the model in one stage."""
+    return replace(options, pp_degrees=(1,)) if keeps_tie_whole(profile) else options
 
 
 def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float) -> list[_Solver]:
@@ -296,7 +302,7 @@ def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: floa
             out.append(_Solver(model, task, budget, kinds, grid))
             continue
         last = len(profile.layers) - 1
-        shared = [j for j, s in enumerate(task.space) if s.tp == 1]
+        shared = [j for j, s in enumerate(task.space) if s.tp == 1 or not keeps_tie_whole(profile)]
         candidates = [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
         out += [c for c in candidates if c.allowed[c.forced[0]]]  # its offload level must fit the host
     return out
@@ -370,16 +376,21 @@ def _tidy(chosen: list[int], task: _Task, kinds: list[int], ranges: list[tuple[i
 
 
 def respects_ties(profile: ModelProfile, plan: Plan) -> bool:
-    """Whether a plan keeps a tied embedding and head together: one stage, no TP, the same strategy."""
-    if len(profile.layers) < 2 or not profile.layers[-1].tied:
+    """Whether a plan gives a tied embedding and head one strategy, and, where the executor keeps the tie whole
+    (:func:`keeps_tie_whole`), one stage and no TP."""
+    if not _is_tied(profile):
         return True
     first, last = plan.layers[0], plan.layers[-1]
+    if not keeps_tie_whole(profile):
+        return first == last
     return plan.pp == 1 and first == last and first.tp == 1
 
 
 def executor_problem(profile: ModelProfile, plan: Plan) -> str:
     """Why nbtrain's executor cannot run ``plan`` (which the cost model can still predict), or ``""``; the search
     never returns such a plan. Checked by ``nbtrain.run.parallelize.check_plan`` and PyTorch before a launch."""
+    if not respects_ties(profile, plan) and not keeps_tie_whole(profile):
+        return "the embedding and the head share their weight, so they need one strategy (the same on both)"
     if not respects_ties(profile, plan):
         return ("the embedding and the head share their weight, which the executor keeps in one pipeline stage, "
                 "unsplit by tensor parallelism and with one strategy (pp=1, tp=1 on the first and last layers)")

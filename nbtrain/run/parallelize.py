@@ -19,11 +19,15 @@ again in backward; ZeRO-2 keeps them until backward (Zhao et al. 2023, PyTorch F
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +46,17 @@ BLOCK_TP = {
     "hf-llama": {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
                  "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
 }
+
+
+# GPT-2's linear layers are ``transformers``' Conv1D: weight (in_features, out_features), ``x @ W + b``, the transpose
+# of nn.Linear, which torch's ColwiseParallel / RowwiseParallel do not take. The same Megatron split, on the other
+# dimension: "col" shards the weight's output dimension 1 (and the bias), "row" its input dimension 0 (the bias is
+# replicated and added once, after the partial products are summed). ``c_attn`` fuses q | k | v along its output:
+# each third is split on its own (``_StridedShard(1, split_factor=3)``: rank r holds q_r | k_r | v_r, whole heads of
+# each), so the DTensor's global view stays the user's weight, as the 3 · E columns were; its bias is replicated and
+# each rank adds its parts of it (its gradient summed over tp).
+GPT2_BLOCK_TP = {"attn.c_attn": ("col", 3), "attn.c_proj": ("row", 1), "mlp.c_fc": ("col", 1),
+                 "mlp.c_proj": ("row", 1)}
 
 
 def layer_modules(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -73,7 +88,98 @@ def _tp_style(kind: str):
     return ColwiseParallel() if kind == "col" else RowwiseParallel()
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: the identity forward; backward sums the input's gradient over the tensor-parallel ranks (each
+    rank's output columns contributed their part of it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: sums the ranks' partial products forward; the identity backward (every rank needs the whole
+    gradient of the output)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _conv1d_colwise_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = self.weight, self.bias  # DTensors over the tp mesh (FSDP2 gathers them over dp first)
+    mesh = weight.device_mesh
+    x = _CopyToTensorParallel.apply(x, mesh.get_group())
+    w = weight.to_local()
+    b = bias.to_local()
+    if self._nbtrain_fused > 1:  # the whole fused bias, replicated: this rank's part of each third
+        b = _CopyToTensorParallel.apply(b, mesh.get_group())  # each rank's gradient fills its parts: summed
+        rank, tp = mesh.get_local_rank(), mesh.size()
+        b = torch.cat([third.chunk(tp)[rank] for third in b.chunk(self._nbtrain_fused)])
+    out = torch.addmm(b, x.reshape(-1, x.size(-1)), w)
+    return out.view(*x.shape[:-1], w.shape[1])
+
+
+def _conv1d_rowwise_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = self.weight, self.bias
+    w = weight.to_local()
+    partial = torch.mm(x.reshape(-1, x.size(-1)), w)
+    out = _ReduceFromTensorParallel.apply(partial, weight.device_mesh.get_group()) + bias.to_local()
+    return out.view(*x.shape[:-1], w.shape[1])
+
+
+def _split_conv1d(module: nn.Module, style: str, fused: int, tp_mesh) -> None:
+    """Shard a ``transformers`` Conv1D over ``tp_mesh`` (module comment above GPT2_BLOCK_TP) and make it compute
+    on its local shards."""
+    if style == "col":
+        # a fused bias stays replicated over tp (each rank takes its parts in forward): FSDP2 shards its dimension 0,
+        # and its layout of a _StridedShard on that same dimension is not the one the placements describe (seen:
+        # the gathered bias permuted), while a weight's _StridedShard on dimension 1 composes with it
+        placements = ((_StridedShard(1, split_factor=fused),), (Replicate(),)) if fused > 1 \
+            else ((Shard(1),), (Shard(0),))
+        forward = _conv1d_colwise_forward
+    else:
+        placements, forward = ((Shard(0),), (Replicate(),)), _conv1d_rowwise_forward
+    for name, placement in zip(("weight", "bias"), placements):
+        param = getattr(module, name)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp_mesh, placement),
+                                                     requires_grad=param.requires_grad))
+    module.forward = types.MethodType(forward, module)
+    module._nbtrain_fused = fused
+    if style == "col":
+        module.nf = module.weight.to_local().shape[1]
+
+
+def _gpt2_block_tensor_parallel(block: nn.Module, tp_mesh) -> None:
+    """Megatron's split of a ``transformers`` GPT2Block; its attention then runs on this rank's heads."""
+    tp = tp_mesh.size()
+    for name, (style, fused) in GPT2_BLOCK_TP.items():
+        _split_conv1d(block.get_submodule(name), style, fused, tp_mesh)
+    attn = block.attn
+    # GPT2Attention splits c_attn's output by ``split_size`` and views each third as (..., -1, head_dim): with the
+    # local width it takes this rank's heads of q, k and v
+    attn.split_size //= tp
+    attn.num_heads //= tp
+
+
 def _tensor_parallel(slots: list[tuple[nn.Module, str]], kind: str, family: str, mesh) -> None:
+    if kind == "block" and family == "hf-gpt2":
+        (parent, attr), = slots
+        _gpt2_block_tensor_parallel(slot_module(parent, attr), mesh["tp"])
+        return
     if kind == "block":
         (parent, attr), = slots
         module = slot_module(parent, attr)
@@ -96,10 +202,17 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1).
 
     Returns the module to train: ``model`` itself, changed in place, or for a plain data-parallel plan the
-    ``DistributedDataParallel`` wrapping it (its ``.module`` is ``model``)."""
+    ``DistributedDataParallel`` wrapping it (its ``.module`` is ``model``).
+
+    A head tied to the token embedding keeps one parameter for both: under tensor parallelism both split it the same
+    way (the vocabulary, rows of the table and output features of the head: ``Shard(0)``), and the head is tied again
+    to the embedding's DTensor; in a pipeline whose first and last stages hold them, each of those stages holds a copy
+    of the shared weight, re-tied in its process to the layer it trains (:func:`tied_slots`), whose gradients the
+    two stages sum after backward (``PipelineRunner.sync_tied``)."""
     family = detect_family(model).name
     layers = layer_modules(model)
     tied = check_plan(model, plan)
+    ties = tied_slots(layers) if tied else []
     if is_plain_data_parallel(plan):
         for i, s in enumerate(plan.layers):
             if s.ac:
@@ -110,6 +223,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         return DistributedDataParallel(model, device_ids=device, process_group=group)
     kinds = ["embedding"] + ["block"] * (len(layers) - 2) + ["head"]
     start, end = plan.stage_ranges()[meshes.stage]
+    last = plan.num_layers - 1
+    together = tied and plan.pp == 1  # the embedding and the head in one stage: one parameter, one FSDP group
     policy = mixed_precision or MixedPrecisionPolicy()
     for i in range(start, end):
         s: Strategy = plan.layers[i]
@@ -117,22 +232,56 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         mesh = meshes.for_strategy(s)
         if s.tp > 1:
             _tensor_parallel(slots, kinds[i], family, mesh)
+            if together and i == last:  # TP gave the head a DTensor of its own: the embedding's, laid out alike
+                retie(ties, to="first")
         if s.ac:
             for parent, attr in slots:
                 set_slot_module(parent, attr, checkpoint_wrapper(slot_module(parent, attr)))
-        if s.dp > 1 and not (tied and i in (0, plan.num_layers - 1)):
+        if s.dp > 1 and not (together and i in (0, last)):
             fully_shard([slot_module(p, a) for p, a in slots], mesh=mesh["dp_replicate", "dp_shard"],
                         reshard_after_forward=s.zero == 3, mp_policy=policy)
-        if s.dp > 1 and tied and i == plan.num_layers - 1:  # a shared weight must live in one FSDP group
+        if s.dp > 1 and together and i == last:  # a shared weight must live in one FSDP group
             group = [slot_module(p, a) for p, a in layers[0] + slots]
             fully_shard(group, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
                         mp_policy=policy)
         if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
             parent, attr = slots[0]
             add_relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout, meshes.stage_group)
+    if tied and not together:  # this stage's copy of the shared weight, under both names in this process
+        if start == 0:
+            retie(ties, to="first")
+        elif end == plan.num_layers:
+            retie(ties, to="last")
     if plan.pp == 1:  # a pipeline stage's root is its stage module (pipeline.py)
         add_fsdp_root(model, model, plan, meshes, policy)
     return model
+
+
+def tied_slots(layers: list[list[tuple[nn.Module, str]]]) -> list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]:
+    """``((module, name) in the first layer, (module, name) in the last)`` for each parameter they share (a head
+    tied to the token embedding), found before any wrapping or sharding."""
+    first = {}
+    for parent, attr in layers[0]:
+        for module in slot_module(parent, attr).modules():
+            for name, p in module.named_parameters(recurse=False):
+                first.setdefault(id(p), (module, name))
+    pairs = []
+    for parent, attr in layers[-1]:
+        for module in slot_module(parent, attr).modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in first:
+                    pairs.append((first[id(p)], (module, name)))
+    return pairs
+
+
+def retie(ties, to: str) -> None:
+    """Make both modules of each tied pair hold the parameter the ``first`` (embedding) or ``last`` (head) one
+    holds now (after tensor parallelism or FSDP2 replaced it)."""
+    for (a, a_name), (b, b_name) in ties:
+        if to == "first":
+            b.register_parameter(b_name, getattr(a, a_name))
+        else:
+            a.register_parameter(a_name, getattr(b, b_name))
 
 
 def add_fsdp_root(root: nn.Module, model: nn.Module, plan: Plan, meshes: PlanMeshes,
@@ -191,26 +340,43 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
                                "use tp=1 (nbtrain.plan does not search tensor parallelism for this model)")
     for i in split:
         if 0 < i < plan.num_layers - 1:  # a block; the embedding and the head split the vocabulary, not heads
-            problem = head_split_problem(plan.layers[i].tp, family.n_head, family.n_kv_head)
+            problem = head_split_problem(plan.layers[i].tp, family.n_head, family.n_kv_head) or \
+                _block_split_problem(model, family.name, plan.layers[i].tp)
             if problem:
                 raise InvalidPlanError(f"layer {i} ({family.blocks_path}.{i - 1}) of {type(model).__name__}: "
                                        f"{problem}")
     tied = _tied(layers)
     if tied:
         first, last = plan.layers[0], plan.layers[-1]
-        if first.tp > 1 or last.tp > 1:
-            raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the "
-                                   "first and last layers, or a model that does not tie them")
-        if plan.pp > 1:
-            raise InvalidPlanError("the embedding and the head share their weight, so they cannot sit in different "
-                                   "pipeline stages yet: use pp=1, or a model that does not tie them")
-        if (first.dp_replicate, first.dp_shard, first.zero) != (last.dp_replicate, last.dp_shard, last.zero):
+        if not family.splits_tied:
+            if first.tp > 1 or last.tp > 1:
+                raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the "
+                                       "first and last layers, or a model that does not tie them")
+            if plan.pp > 1:
+                raise InvalidPlanError("the embedding and the head share their weight, so they cannot sit in "
+                                       "different pipeline stages yet: use pp=1, or a model that does not tie them")
+        if (first.dp_replicate, first.dp_shard, first.zero, first.tp) != \
+                (last.dp_replicate, last.dp_shard, last.zero, last.tp):
             raise InvalidPlanError(f"the embedding (layer 0: {first}) and the head (layer {plan.num_layers - 1}: "
-                                   f"{last}) share their weight, so they need the same data-parallel strategy")
-    if plan.pp > 1 and detect_family(model).name not in ("nbtrain-gpt", "hf-llama"):
+                                   f"{last}) share their weight, so they need the same data- and tensor-parallel "
+                                   "strategy")
+    if plan.pp > 1 and detect_family(model).name not in ("nbtrain-gpt", "hf-llama", "hf-gpt2"):
         raise InvalidPlanError(f"pipeline stages of {type(model).__name__} are not supported yet (nbtrain cuts its "
-                               "own GPT and Hugging Face Llama models into stages); use pp=1")
+                               "own GPT and Hugging Face GPT-2 and Llama models into stages); use pp=1")
     return tied
+
+
+def _block_split_problem(model: nn.Module, family: str, tp: int) -> str:
+    """Why a block of ``model`` cannot be split ``tp`` ways beyond its heads (empty: it can)."""
+    if family != "hf-gpt2":
+        return ""
+    config = model.config
+    if getattr(config, "add_cross_attention", False):
+        return "GPT-2 blocks with cross-attention have no tensor-parallel split in nbtrain yet; use tp=1"
+    inner = config.n_inner or 4 * config.n_embd
+    if inner % tp:
+        return f"the MLP's {inner} hidden units do not split into {tp} equal parts; use a tp that divides {inner}"
+    return ""
 
 
 def _tied(layers: list[list[tuple[nn.Module, str]]]) -> bool:

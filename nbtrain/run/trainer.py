@@ -50,18 +50,24 @@ class StepRecord:
     """Seconds a checkpoint saved after this step took (not in ``seconds``), when one was."""
 
 
-def clip_grad_norm(parameters, max_norm: float, pipeline_group=None) -> float:
+def clip_grad_norm(parameters, max_norm: float, pipeline_group=None, counted_elsewhere=()) -> float:
     """Clip the gradients of all ``parameters`` to a total norm of ``max_norm``; returns the norm before.
 
     Parameters may be DTensors on different meshes (TP × FSDP here, FSDP only there), which
     ``torch.nn.utils.clip_grad_norm_`` cannot stack. The gradients are grouped by kind (plain tensors; DTensors
     per mesh and placement); each group's norm is one fused kernel and, for DTensors, one reduction of the shards'
     partial norms; the groups combine as ``sqrt(Σ normᵢ²)``. A pipeline stage holds only its layers' gradients: the
-    squares are summed over ``pipeline_group`` too, so every stage clips by the norm of the whole model.
+    squares are summed over ``pipeline_group`` too, so every stage clips by the norm of the whole model. Gradients of
+    ``counted_elsewhere`` (a tied embedding's copy in the last stage: the first stage holds the same gradient) are
+    clipped but left out of the norm, so that a weight is counted once.
     """
+    parameters = list(parameters)
     groups = group_by_kind([p.grad for p in parameters if p.grad is not None])
+    skip = {id(p) for p in counted_elsewhere}
+    counted = group_by_kind([p.grad for p in parameters if p.grad is not None and id(p) not in skip]) if skip \
+        else groups
     square = torch.zeros((), dtype=torch.float64)
-    for grads in groups:
+    for grads in counted:
         norm = torch.nn.utils.get_total_norm(grads)
         square += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
     if pipeline_group is not None:
@@ -205,8 +211,9 @@ class Trainer:
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm if self.clip_norm else None
         else:
-            norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group) if self.clip_norm \
-                else None
+            shared = self.pipeline.counted_elsewhere() if self.pipeline is not None else ()
+            norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group, shared) \
+                if self.clip_norm else None
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

@@ -1,6 +1,6 @@
 """The trained weights out of the workers: gathered whole into the notebook, or saved sharded with DCP.
 
-    >>> state = gather_trained(model, plan, meshes, mine)   # in every worker; rank 0 gets the full state dict
+    >>> state = gather_trained(model, plan, mine)           # in every worker; rank 0 gets the full state dict
     >>> save_trained(model, mine, "ckpt/")                  # in every worker: each rank writes its shards
     >>> load_saved(fresh_model, "ckpt/")                    # later, in one process
 
@@ -65,8 +65,11 @@ def save_trained(model: nn.Module, mine: tuple[str, ...], folder) -> None:
     """Every rank writes the shards of the weights its stage trained into ``folder`` (DCP's format)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {k: v for k, v in _state(model, full=False).items() if k.startswith(mine)}
-    dcp.save(state, checkpoint_id=str(folder))
+    from nbtrain.run.training_state import for_dcp, trained_tensors
+
+    # the model's own names, a tied head once under the embedding's, blocks of a strided shard as DCP needs them
+    state = {k: v.detach() for k, v in trained_tensors(model, mine).items()}
+    dcp.save(for_dcp(state), checkpoint_id=str(folder))
 
 
 def load_saved(model: nn.Module, folder) -> nn.Module:
