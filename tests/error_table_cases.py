@@ -88,6 +88,13 @@ dist.barrier()
 
 TRAIN = "print('training')\n"
 
+EXITS = """\
+import sys, torch.distributed as dist
+if dist.get_rank() == 1:
+    sys.exit(3)
+dist.barrier()
+"""
+
 HANG_CELL = '''\
 def rank_1_never_arrives():
     if dist.get_rank() == 1:

@@ -213,6 +213,7 @@ case("`export` of a reference", "CLI")(lambda e: e.cli("export", "mods:build", "
 # the devices
 case("unknown device", "CLI")(lambda e: e.cli("cluster", "TPU"))
 case("no device named", "CLI")(lambda e: e.cli("cluster"))
+case("`--detect` with a catalog device", "CLI")(lambda e: e.cli("cluster", "H100", "--detect"))
 case("devices that do not fill nodes", "CLI")(lambda e: e.cli("cluster", "H100", "--gpus", "12"))
 case("measuring on a device that is not there", "CLI", NO_GPU)(
     lambda e: e.cli("profile", "gpt-tiny", "--seq", "32", "--measure", "cuda"))
@@ -250,7 +251,10 @@ case("a plan file that is not one", "CLI")(lambda e: e.cli("run", "train.py", "-
 case("no such script", "CLI")(lambda e: e.cli("run", "nosuch.py"))
 
 # memory and batch
-case("nothing fits", "CLI")(lambda e: e.cli("plan", "llama-70b", "--gpus", "8", "--batch", "8", "--memory", "1GiB"))
+case("nothing fits", "CLI")(lambda e: e.cli("plan", "llama-70b", "--gpus", "8", "--batch", "8", "--memory", "24GiB"))
+case("a budget below the reserve", "CLI")(
+    lambda e: e.cli("plan", "gpt-tiny", "--gpus", "8", "--batch", "32", "--memory", "0.5GiB"))
+case("a memory of zero", "CLI")(lambda e: e.cli("plan", "gpt-tiny", "--gpus", "8", "--batch", "8", "--memory", "0GiB"))
 case("memory that is not a size", "CLI")(
     lambda e: e.cli("plan", "gpt-tiny", "--gpus", "8", "--batch", "8", "--memory", "lots"))
 case("memory without a unit", "CLI")(
@@ -267,10 +271,21 @@ case("a dtype it does not know | CLI", "CLI")(lambda e: e.cli("profile", "gpt2",
 case("a dtype it does not know | magic", "magic")(lambda e: e.magic("--gpus 8 --dtype int8"))
 case("a learning rate that is not positive", "magic")(lambda e: e.magic("--gpus 8 --launch --lr -1"))
 case("a timeout that is not positive", "magic")(lambda e: e.magic("--gpus 8 --launch --timeout 0"))
+case("a training flag without `--launch`", "magic")(lambda e: e.magic("--gpus 8 --steps 5"))
+case("`-o` with a name that is not a variable", "magic")(lambda e: e.magic("--gpus 8 -o 1bad"))
+case("an error in the cell's own code", "magic")(lambda e: e.magic("--gpus 8", "model = undefined_name\n"))
 
 # data
 LAUNCH_ON_DATA = "--gpus 2 --batch 4 -q --strategy \"dp_shard=2\" --launch --processes 2 --data batches"
 case("`--data` or `--loss` undefined", "magic")(lambda e: e.magic("--gpus 8 --launch --data nothing"))
+case("`--data` that is not batches", "magic")(lambda e: e.magic("--gpus 8 --launch --data n", before="n = 5"))
+case("a data function that does not take the step", "magic")(
+    lambda e: e.magic("--gpus 8 --launch --data make", before="def make(step, rows):\n    pass"))
+case("`--loss` that is not a loss function", "magic")(
+    lambda e: e.magic("--gpus 8 --loss losses", before="losses = [1.0]"))
+case("a `--loss` that raises", "magic")(
+    lambda e: e.magic("--gpus 8 --batch 8 --loss my_loss",
+                      before="def my_loss(output, targets):\n    raise ValueError('shapes do not match')"))
 case("`--data` without batches", "magic")(lambda e: e.magic(LAUNCH_ON_DATA, before="batches = []"))
 case("a batch that is not a pair", "magic")(
     lambda e: e.magic(LAUNCH_ON_DATA, before="import torch\nbatches = [torch.zeros(4, 32, dtype=torch.long)]"))
@@ -347,6 +362,26 @@ def _(e):
 
 case("a worker killed (out of memory, `kill -9`)", "CLI", pytest.mark.slow, NO_GPU)(
     lambda e: e.cli("run", "killed.py", "--processes", "2"))
+case("a rank that calls `sys.exit(N)`", "CLI", pytest.mark.slow, NO_GPU)(
+    lambda e: e.cli("run", "exits.py", "--processes", "2"))
+
+
+@case("`--checkpoint-dir` that holds a run, without `--resume`", "magic")
+def _(e):
+    saved = e.checkpoints() / "step-00000001"  # what a completed save leaves: DCP's metadata and nbtrain's
+    saved.mkdir(parents=True)
+    (saved / ".metadata").write_bytes(b"")
+    (saved / "nbtrain.json").write_text("{}")
+    return e.magic("--gpus 8 --launch --checkpoint-dir runs/gpt")
+
+
+case("export of a model built in an earlier cell", "magic")(
+    lambda e: e.magic("--gpus 8 --batch 8 --export run.ipynb --model model", "# planned again\n", before=TINY))
+case("export of `--data` it cannot carry", "magic")(
+    lambda e: e.magic("--gpus 8 --batch 8 --export run.ipynb --data stream", before="stream = (b for b in [])"))
+case("export of a `--loss` from an earlier cell", "magic")(
+    lambda e: e.magic("--gpus 8 --batch 8 --export run.ipynb --loss mean_loss",
+                      before="def mean_loss(output, targets):\n    return output.float().mean()"))
 
 
 @case("a loss that is NaN or infinite", "Python", pytest.mark.slow, NO_GPU)
@@ -592,6 +627,7 @@ def root(tmp_path_factory):
     (root / "fit_cases.py").write_text(files.FIT_CASES)
     (root / "fails.py").write_text(files.FAILS)
     (root / "killed.py").write_text(files.KILLED)
+    (root / "exits.py").write_text(files.EXITS)
     (root / "train.py").write_text(files.TRAIN)
     plan = Plan.parse("dp_shard=8", num_devices=8, num_layers=6)
     (root / "plan8.json").write_text(plan.to_json())
