@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,7 @@ def _docstring_params():
 def test_docstring_examples(doc, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     saved_env = dict(os.environ)
+    threads = set(threading.enumerate())
     try:
         workers = fx.IN_WORKERS.get(doc.key)
         if workers is None:
@@ -243,3 +245,7 @@ def test_docstring_examples(doc, tmp_path, monkeypatch):
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
+    # an example a user copies must not leave work running behind it (it did: an open CPU-offload worker, a child
+    # watcher that held the next launches' workers and their pipes)
+    left = [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
+    assert not left, f"the example left threads running: {left}"

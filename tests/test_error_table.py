@@ -639,15 +639,6 @@ def root(tmp_path_factory):
         sys.modules.pop(name, None)
 
 
-@pytest.fixture(scope="module")
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "nbtrain")
-    return ip
-
-
 @pytest.fixture
 def env(root, shell, capsys, monkeypatch):
     monkeypatch.chdir(root)

@@ -24,15 +24,6 @@ TINY = ("import nbtrain\n"
 GiB = 2**30
 
 
-@pytest.fixture(scope="module")
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "nbtrain")
-    return ip
-
-
 @pytest.fixture(autouse=True)
 def noninteractive(monkeypatch):
     monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")

@@ -19,15 +19,6 @@ TINY = ("import nbtrain\n"
         "tie_embeddings=False))\n")
 
 
-@pytest.fixture(scope="module")
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "nbtrain")
-    return ip
-
-
 @pytest.fixture(autouse=True)
 def noninteractive(monkeypatch):
     monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")
@@ -182,7 +173,8 @@ def test_a_worker_that_raises_ends_the_cell_with_its_rank_and_error_and_no_proce
     message = str(result.error_in_exec)
     assert message.startswith("WorkerError: rank 1 of 2 failed: ValueError: this loss fails on rank 1"), message
     assert "\n" not in message and "Traceback" not in message  # the traceback is shown above the line
-    assert 'in _failing_loss\n    raise ValueError("this loss fails on rank 1")' in capsys.readouterr().err
+    shown = capsys.readouterr().err
+    assert 'in _failing_loss\n    raise ValueError("this loss fails on rank 1")' in shown, shown
     assert set(multiprocessing.active_children()) - before == set()
 
 

@@ -7,7 +7,6 @@ leaves the kernel working (one fixture notebook per mistake, in tests/notebooks/
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -168,35 +167,24 @@ def test_a_notebook_written_from_the_readme_alone_runs(tmp_path):
     assert "4 16 512.0 GiB" in text_of(code[-1])  # the cell with no model, and the line form, planned
 
 
-def test_an_exported_run_on_the_users_data_executes_as_is_and_trains_on_that_data(tmp_path):
-    from IPython.core.interactiveshell import InteractiveShell
+def _export_a_tiny_gpt(shell, export: Path, flags: str) -> None:
+    result = shell.run_cell(f"%%autoparallel -q --export {export} {flags}\nimport nbtrain\n"
+                            "exported_model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, "
+                            "n_head=4, n_embd=64, tie_embeddings=False))\n")
+    assert result.success, result.error_in_exec
 
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "nbtrain")
+
+def test_an_exported_run_executes_as_is(tmp_path, shell):
+    _export_a_tiny_gpt(shell, tmp_path / "run.ipynb", "--gpus 8 --batch 16 --steps 3")
+    nb = execute(tmp_path / "run.ipynb", tmp_path, steps=2)
+    assert "checks passed: 2 steps" in text_of(nb.cells[-1])
+
+
+def test_an_exported_run_on_the_users_data_executes_as_is_and_trains_on_that_data(tmp_path, shell):
     shell.run_cell("import torch\ng = torch.Generator().manual_seed(0)\n"
                    "rows = [torch.randint(0, 256, (2, 17), generator=g) for _ in range(2)]\n"
                    "user_batches = [(r[:, :-1], r[:, 1:]) for r in rows]\n")
-    export = tmp_path / "run.ipynb"
-    result = shell.run_cell(f"%%autoparallel --gpus 2 --batch 2 -q --export {export} --steps 2 --data user_batches\n"
-                            "import nbtrain\n"
-                            "exported_model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, "
-                            "n_head=4, n_embd=64, tie_embeddings=False))\n")
-    assert result.success, result.error_in_exec
-    nb = execute(export, tmp_path)
+    _export_a_tiny_gpt(shell, tmp_path / "run.ipynb", "--gpus 2 --batch 2 --steps 2 --data user_batches")
+    nb = execute(tmp_path / "run.ipynb", tmp_path)
     everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
     assert "2 batches of (2, 16)" in everything and "checks passed: 2 steps" in everything
-
-
-def test_an_exported_run_executes_as_is(tmp_path):
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "nbtrain")
-    export = tmp_path / "run.ipynb"
-    result = shell.run_cell(f"%%autoparallel --gpus 8 --batch 16 -q --export {export} --steps 3\n"
-                            "import nbtrain\nfrom torch import nn\n"
-                            "exported_model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, "
-                            "n_head=4, n_embd=64, tie_embeddings=False))\n")
-    assert result.success, result.error_in_exec
-    nb = execute(export, tmp_path, steps=2)
-    assert "checks passed: 2 steps" in text_of(nb.cells[-1])

@@ -105,7 +105,7 @@ def test_a_rank_that_ends_early_is_named_when_the_collectives_time_out_without_a
     done = command(sys.executable, "-c", code)
     assert done.returncode == 0, done.stdout + done.stderr
     said = done.stdout.strip().splitlines()[-1]
-    assert said.startswith("rank 1 of 2 failed: nbtrain.errors.LaunchError: rank 1 finished, but the other ranks did "
+    assert said.startswith("rank 1 of 2 failed: LaunchError: rank 1 finished, but the other ranks did "
                            "not reach the end within the collectives' timeout (6 s): one still waits in a collective "
                            "this rank never called (did it return, or sys.exit(0), before a collective the others "
                            "call?)"), said

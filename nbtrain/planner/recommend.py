@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, executor_problem, keeps_tie_whole, leanest, respects_ties, search
+from nbtrain.planner.search import SearchOptions, executor_problem, keeps_tie_whole, leanest, search
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile

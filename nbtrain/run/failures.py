@@ -2,6 +2,7 @@
 
     >>> watcher = ChildWatcher(before)                      # while the launch runs: how each worker ends
     >>> error = worker_error(failure, workdir, 2, watcher)  # WorkerError("rank 1 of 2 died with signal SIGKILL ...")
+    >>> watcher.stop()                                      # once the launch has returned: it holds the workers
     >>> error = timeout_error(workdir, 2, timeout=20)       # LaunchTimeoutError naming the rank that hung
 
 Each worker leaves ``rank{r}-pid{p}.stack`` when it starts (its stack dump on SIGUSR1) and ``rank{r}.err`` (time and
@@ -116,6 +117,8 @@ def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | N
     # A rank that lost its peer can write its report before the peer that failed has written its own.
     causes = [r for r in reports if not _PEER_LOST.search(reports[r][1])] or list(reports)
     rank = min(causes, key=lambda r: reports[r][0])
+    if len({reports[r][1].splitlines()[-1] for r in causes}) == 1:  # every rank failed alike (a NaN loss): say rank 0's
+        rank = min(causes)
     text = reports[rank][1]
     others = sorted(r for r in reports if r != rank)
     also = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))} failed too)" if others else ""
@@ -125,7 +128,8 @@ def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | N
         where = f" at {report['where']}" if report.get("where") else ""
         return WorkerError(f"rank {rank} of {num_processes} exited with status {report['status']} "
                            f"({report['call']}{where}){also}; the other workers were stopped", rank)
-    return WorkerError(f"rank {rank} of {num_processes} failed: {text.splitlines()[-1]}{also}; the other workers "
+    last = text.splitlines()[-1].removeprefix("nbtrain.errors.")  # nbtrain's own errors by name, as everywhere
+    return WorkerError(f"rank {rank} of {num_processes} failed: {last}{also}; the other workers "
                        f"were stopped. Fix the cause and run again. Traceback of rank {rank}:\n{text}",
                        rank, text)
 

@@ -6,6 +6,7 @@
     ...     opt.step()                                # the device's share; the CPU's lands as forward reaches it
     ...     opt.zero_grad()
     >>> timeline_plot(opt.last_trace)                 # device row: backward of each layer; cpu row: the updates
+    >>> opt.close()                                   # stops its CPU worker thread (fit does this after the run)
 
 What lives where. For the offloaded part of each layer (its ``offload`` fraction, cut by
 :func:`~nbtrain.run.offload_split.cut_layer`): an fp32 master copy (a tensor of its own, whatever the parameter's
