@@ -241,3 +241,55 @@ def test_a_model_handed_over_in_eval_mode_trains_in_training_mode_with_its_dropo
         without_dropout = nbtrain.profiler.model.lm_loss(model(batch[0]), batch[1]).item()
     result = nbtrain.fit(model, [batch], plan="dp_replicate=1", steps=1, num_processes=1, progress=False)
     assert result.losses[0] != pytest.approx(without_dropout, rel=1e-4)  # dropout 0.1 drew masks in step 1
+
+
+def _one_process_adamw(model, data, steps: int, lr: float, betas, weight_decay: float, exempt_1d: bool):
+    """The reference loop, written out: next-token loss, clip at 1.0 (fit's default), torch's AdamW."""
+    from nbtrain.profiler.model import lm_loss
+
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2 or not exempt_1d], "weight_decay": weight_decay}]
+    if exempt_1d:
+        groups.append({"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas)
+    losses = []
+    for step in range(steps):
+        ids, targets = data[step % len(data)]
+        loss = lm_loss(model(ids), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,exempt_1d", [("dp_shard=2", True), ("dp_replicate=2 offload=1", False)])
+def test_adamw_betas_and_weight_decay_train_as_torchs_adamw_with_them(plan, exempt_1d):
+    data = tiny_batches(512, n=2)
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    reference = _one_process_adamw(__import__("copy").deepcopy(model), data, 4, 3e-2, (0.9, 0.95), 0.5, exempt_1d)
+    result = nbtrain.fit(model, data, plan=plan, steps=4, num_processes=2, lr=3e-2, betas=(0.9, 0.95),
+                         weight_decay=0.5, decay_norms_and_biases=not exempt_1d, progress=False, timeout=180)
+    assert result.losses == pytest.approx(reference, rel=1e-4)
+    torch.manual_seed(0)
+    defaults = _one_process_adamw(nbtrain.build_preset("gpt-tiny", device="cpu"), data, 4, 3e-2, (0.9, 0.999), 0.01,
+                                  False)
+    assert defaults[-1] != pytest.approx(reference[-1], rel=1e-3)  # the settings change the training
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"betas": (0.9, 1.5)}, "betas=(0.9, 1.5): each must be in [0, 1)"),
+    ({"betas": 0.9}, "betas must be two numbers"),
+    ({"weight_decay": -1}, "weight_decay=-1 at least 0"),
+    ({"decay_norms_and_biases": False, "plan": "offload=1"}, "the offloaded AdamW takes one weight decay per layer"),
+])
+def test_adamw_settings_it_cannot_use_are_refused_before_launching(kwargs, message):
+    from nbtrain.errors import InvalidArgumentError
+
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    kwargs = {"plan": "dp_replicate=1", **kwargs}
+    with pytest.raises(InvalidArgumentError, match=__import__("re").escape(message)):
+        nbtrain.fit(model, tiny_batches(512, n=1), steps=1, num_processes=1, progress=False, **kwargs)

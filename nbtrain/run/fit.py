@@ -166,6 +166,8 @@ class _Run:
     """The complete checkpoint to go on from."""
     every_rank: bool = False
     """Every rank returns rank 0's result (under torchrun each rank is a caller of ``fit``)."""
+    adamw: tuple = ((0.9, 0.999), 1e-8, 0.01, True)
+    """AdamW's ``(betas, eps, weight_decay, decay_norms_and_biases)``."""
 
 
 def _worker(model, plan: Plan, get_batch, run: _Run):
@@ -186,11 +188,15 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
         from nbtrain.run.offload import OffloadedAdamW
 
-        optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm)
+        betas, eps, decay, _ = run.adamw
+        optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
+                                              weight_decay=decay)
     else:
         # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
         # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
-        optimizer = torch.optim.AdamW(_by_mesh(model), lr=run.lr, fused=True)
+        betas, eps, _, _ = run.adamw
+        optimizer = torch.optim.AdamW(_decay_groups(_by_mesh(model), run.adamw), lr=run.lr, betas=betas, eps=eps,
+                                      fused=True)
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
                       lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
     rank0 = dist.get_rank() == 0
@@ -249,6 +255,20 @@ def _by_mesh(model: nn.Module) -> list[dict]:
     return [{"params": params} for params in group_by_kind(list(model.parameters()))]
 
 
+def _decay_groups(groups: list[dict], adamw: tuple) -> list[dict]:
+    """``groups`` with AdamW's weight decay, the norms' weights and the biases (the 1-D parameters) in groups of their
+    own without it when ``decay_norms_and_biases`` is false (as GPT-2's, LLaMA's and most training recipes do)."""
+    _, _, decay, decay_1d = adamw
+    if decay_1d:
+        return [{**g, "weight_decay": decay} for g in groups]
+    out = []
+    for g in groups:
+        matrices, vectors = [p for p in g["params"] if p.ndim >= 2], [p for p in g["params"] if p.ndim < 2]
+        out += [{"params": matrices, "weight_decay": decay}] if matrices else []
+        out += [{"params": vectors, "weight_decay": 0.0}] if vectors else []
+    return out
+
+
 def _progress(steps: int, done: int = 0):
     if os.environ.get("NBTRAIN_NONINTERACTIVE"):
         return None
@@ -259,11 +279,24 @@ def _progress(steps: int, done: int = 0):
     return tqdm(total=steps, initial=done, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
 
 
+def _check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"betas must be two numbers, e.g. betas=(0.9, 0.95), got {betas!r}") from None
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise InvalidArgumentError(f"betas={betas!r}: each must be in [0, 1), e.g. betas=(0.9, 0.95)")
+    if not eps > 0 or not weight_decay >= 0:
+        raise InvalidArgumentError(f"eps={eps!r} must be positive and weight_decay={weight_decay!r} at least 0")
+    return (b1, b2), float(eps), float(weight_decay), bool(decay_norms_and_biases)
+
+
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
         loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
         save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop", checkpoint_dir=None,
-        checkpoint_every: int | None = None, resume: bool = False) -> FitResult:
+        checkpoint_every: int | None = None, resume: bool = False, betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -280,13 +313,19 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     its part: weights, AdamW state, also an offloaded one, the data position, the schedule, RNG and loss history;
     :mod:`nbtrain.run.checkpoint`). ``resume=True`` goes on from its newest complete checkpoint — under this call's
     plan and process count, whatever the saving run's were — to ``steps`` steps in all; with none there yet it starts
-    afresh. If the run fails or is interrupted, the error says where the last checkpoint is."""
+    afresh. If the run fails or is interrupted, the error says where the last checkpoint is.
+
+    The optimizer is AdamW (``betas``, ``eps``, ``weight_decay``: torch's defaults), fused; with CPU update offload
+    the same update, run by :class:`~nbtrain.run.offload.OffloadedAdamW`. ``decay_norms_and_biases=False`` exempts
+    the 1-D parameters (norm weights, biases) from weight decay, as GPT-2's and LLaMA's recipes do (not with
+    offload, whose update takes one weight decay per layer)."""
     from nbtrain.run.launch import launch, launched_externally, runs_in_this_process
     from nbtrain.run.parallelize import check_plan, layer_modules
 
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
     check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
+    adamw = _check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
     get_batch = _batch_source(data, steps)
     lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
     ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
@@ -301,6 +340,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     if plan.global_batch is None:
         plan = plan.replace(global_batch=ids.shape[0], seq_len=ids.shape[1])
     check_plan(model, plan)  # here, not in the workers: a plan the model cannot take is one clear error
+    if not decay_norms_and_biases and any(s.offload > 0 for s in plan.layers):
+        raise InvalidArgumentError("decay_norms_and_biases=False with CPU update offload: the offloaded AdamW takes one "
+                                   "weight decay per layer; keep decay_norms_and_biases=True, or plan without offload")
     # every batch with the plan's rows (a pipeline's stages also take the first batch's length), ids in the vocabulary:
     # a list here, all of it; batches a function makes, in the workers as they come
     shape = dict(global_batch=plan.global_batch, seq_len=plan.seq_len if plan.pp > 1 else None, vocab_size=vocab,
@@ -324,7 +366,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
                None if folder is None else str(folder.path), checkpoint_every, start,
-               every_rank=launched_externally())
+               every_rank=launched_externally(), adamw=adamw)
     here = runs_in_this_process(num_processes)
     # Forked workers each parallelize their own copy of the model. Run here, the worker would convert the caller's
     # model in place (FSDP2 swaps its class, TP its parameters for DTensors), which then cannot take the gathered
