@@ -112,7 +112,7 @@ def test_the_model_can_be_named_when_the_cell_makes_several(shell):
     ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches", TINY + "batches = []\n",
      "InvalidArgumentError: --data holds no batches"),
     ("--gpus 2 -q --launch --processes 2", "import torch\nnet = torch.nn.Sequential(torch.nn.Linear(8, 8))\n",
-     "InvalidPlanError: the executor runs nbtrain's GPT and Hugging Face GPT-2 and Llama models"),
+     "InvalidPlanError: Sequential has no list of repeated blocks nbtrain could find"),
 ])
 def test_mistakes_end_the_cell_with_one_usage_error_and_the_notebook_keeps_its_state(shell, capsys, line, body,
                                                                                      message):

@@ -45,6 +45,9 @@ class ModelFamily:
     """Context to enter while the profiler traces the model on fake tensors (see :func:`_hf_unpacked_batches`)."""
     no_tensor_parallel: str = ""
     """Why nbtrain cannot split this family's layers by tensor parallelism (empty: it can)."""
+    cuts_stages: bool = False
+    """Whether the executor cuts this family into pipeline stages (nbtrain's GPT, Hugging Face GPT-2 and Llama);
+    the planner plans the others with pp=1."""
     splits_tied: bool = False
     """Whether the executor splits a tied embedding and head: vocabulary-parallel under tensor parallelism (one
     DTensor for both), and across pipeline stages (a copy in the first and the last, their gradients summed), as
@@ -94,10 +97,10 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
     if model_type == "gpt2":
         return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
                            config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches,
-                           splits_tied=True)
+                           splits_tied=True, cuts_stages=True)
     return ModelFamily("hf-llama", path, config.vocab_size, config.max_position_embeddings, config.hidden_size,
                        config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
-                       forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches)
+                       forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches, cuts_stages=True)
 
 
 def has_submodule(model: nn.Module, path: str) -> bool:
@@ -131,7 +134,8 @@ def detect_family(model: nn.Module) -> ModelFamily:
 
     if isinstance(model, GPT):
         c = model.config
-        return ModelFamily("nbtrain-gpt", "blocks", c.vocab_size, c.block_size, c.n_embd, c.n_head, c.kv_heads)
+        return ModelFamily("nbtrain-gpt", "blocks", c.vocab_size, c.block_size, c.n_embd, c.n_head, c.kv_heads,
+                           cuts_stages=True)
     family = _hf_family(model)
     if family is not None:
         return family

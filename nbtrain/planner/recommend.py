@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, executor_problem, keeps_tie_whole, leanest, search
+from nbtrain.planner.search import SearchOptions, cuts_stages, executor_problem, keeps_tie_whole, leanest, search
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -221,7 +221,8 @@ def _no_split_message(profile, cluster, global_batch, options: SearchOptions) ->
         kv = profile.arch.get("n_kv_head") not in (None, profile.arch.get("n_head"))
         which = f"{heads} key/value heads" if kv else f"{heads} heads"
         why_tp = f"tp ≤ {tp} (inside a node of {node}" + (f", dividing the {which})" if heads else ")")
-    pps = options.pp_degrees or [p for p in _power_of_two_divisors(n) if p <= layers]
+    pps = options.pp_degrees or ([1] if not cuts_stages(profile) else
+                                 [p for p in _power_of_two_divisors(n) if p <= layers])
     pp = max([p for p in pps if n % p == 0 and p <= layers] or [1])
     most = pp * tp * dp
     return (f"{start}: at most pp={pp} stages ({layers} layers) × {why_tp} × dp={dp} (every data-parallel rank "

@@ -286,9 +286,15 @@ def keeps_tie_whole(profile: ModelProfile) -> bool:
     return _is_tied(profile) and not profile.arch.get("splits_tied")
 
 
+def cuts_stages(profile: ModelProfile) -> bool:
+    """Whether the executor can cut this model into pipeline stages (a profile made before it said so: yes)."""
+    return bool(profile.arch.get("cuts_stages", True))
+
+
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
-    """The options as the search applies them: a tied embedding and head kept whole keep the model in one stage."""
-    return replace(options, pp_degrees=(1,)) if keeps_tie_whole(profile) else options
+    """The options as the search applies them: one stage for a model the executor does not cut into stages, or
+    whose tied embedding and head it keeps whole."""
+    return replace(options, pp_degrees=(1,)) if keeps_tie_whole(profile) or not cuts_stages(profile) else options
 
 
 def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float) -> list[_Solver]:
@@ -394,6 +400,8 @@ def executor_problem(profile: ModelProfile, plan: Plan) -> str:
     if not respects_ties(profile, plan):
         return ("the embedding and the head share their weight, which the executor keeps in one pipeline stage, "
                 "unsplit by tensor parallelism and with one strategy (pp=1, tp=1 on the first and last layers)")
+    if plan.pp > 1 and not cuts_stages(profile):
+        return f"the executor does not cut {profile.model} into pipeline stages yet (pp=1)"
     if plan.pp > 1 and plan.schedule == "1f1b" and plan.microbatches < plan.pp:
         return (f"1F1B needs at least as many micro-batches as stages (mb={plan.microbatches} < pp={plan.pp}); "
                 f"use mb={plan.pp} or more, or schedule=gpipe")

@@ -189,6 +189,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
     arch["no_tensor_parallel"] = family.no_tensor_parallel
     arch["splits_tied"] = family.splits_tied
+    arch["cuts_stages"] = family.cuts_stages
     return ModelProfile(
         model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
         dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),

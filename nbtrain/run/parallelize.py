@@ -75,9 +75,30 @@ def layer_modules(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
         inner = model.model
         return [[(inner, "embed_tokens")]] + [[(inner.layers, str(i))] for i in range(len(inner.layers))] + \
             [[(inner, "norm"), (model, "lm_head")]]
-    raise InvalidPlanError(f"the executor runs nbtrain's GPT and Hugging Face GPT-2 and Llama models; "
-                           f"{type(model).__name__} "
-                           f"({family.name}) is not supported yet")
+    if family.blocks_path:
+        return _around_blocks(model, family.blocks_path)
+    raise InvalidPlanError(f"{type(model).__name__} has no list of repeated blocks nbtrain could find, so it is one "
+                           "layer to the profiler and has no layers to plan for the executor yet; give it its blocks "
+                           "as an nn.ModuleList (or nn.Sequential) of one block class")
+
+
+def _around_blocks(model: nn.Module, path: str) -> list[list[tuple[nn.Module, str]]]:
+    """Any model with a list of repeated blocks at ``path``: the modules registered before the list, on the way down
+    to it, are the first layer (the embeddings); each block is a layer; those registered after it, innermost first,
+    are the last (a final norm, then the head) — as the profiler cuts the model. Modules without parameters are left
+    out (nothing to shard or update)."""
+    before, after, parent = [], [], model
+    for part in path.split("."):
+        names = list(parent._modules)
+        i = names.index(part)
+        before += [(parent, n) for n in names[:i] if parent._modules[n] is not None]
+        after = [(parent, n) for n in names[i + 1:] if parent._modules[n] is not None] + after
+        parent = parent._modules[part]
+
+    def with_parameters(slots):
+        return [(p, a) for p, a in slots if any(True for _ in slot_module(p, a).parameters())]
+
+    return [with_parameters(before)] + [[(parent, str(i))] for i in range(len(parent))] + [with_parameters(after)]
 
 
 def slot_module(parent: nn.Module, attr: str) -> nn.Module:
@@ -360,7 +381,7 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
             raise InvalidPlanError(f"the embedding (layer 0: {first}) and the head (layer {plan.num_layers - 1}: "
                                    f"{last}) share their weight, so they need the same data- and tensor-parallel "
                                    "strategy")
-    if plan.pp > 1 and detect_family(model).name not in ("nbtrain-gpt", "hf-llama", "hf-gpt2"):
+    if plan.pp > 1 and not detect_family(model).cuts_stages:
         raise InvalidPlanError(f"pipeline stages of {type(model).__name__} are not supported yet (nbtrain cuts its "
                                "own GPT and Hugging Face GPT-2 and Llama models into stages); use pp=1")
     return tied
