@@ -93,8 +93,16 @@ def write_exit_report(workdir, rank: int, stop: SystemExit, stack: traceback.Sta
     """In a worker whose function called ``sys.exit(N)`` with N not 0: its status and where it was called, which
     :func:`worker_error` reads to name the rank as one that exited, not one that raised."""
     where = f"{stack[-1].filename}, line {stack[-1].lineno}" if stack else None
-    (Path(workdir) / f"rank{rank}.exit").write_text(json.dumps(
-        {"status": exit_status(stop), "call": f"sys.exit({stop.code!r})", "where": where}))
+    write_whole(Path(workdir) / f"rank{rank}.exit",
+                json.dumps({"status": exit_status(stop), "call": f"sys.exit({stop.code!r})", "where": where}))
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` all at once (a temporary file renamed): a worker stopped while it writes its report
+    (the agent signals the others once one has failed) leaves no report rather than half of one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | None = None) -> WorkerError:

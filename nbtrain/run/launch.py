@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from nbtrain.errors import InvalidArgumentError, LaunchError
 from nbtrain.run.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
-                                  worker_processes, write_exit_report)
+                                  worker_processes, write_exit_report, write_whole)
 
 # torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
 _SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
@@ -244,7 +244,7 @@ class _Worker:
             report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
             if isinstance(error, SystemExit):  # sys.exit(N), N not 0: _run_in_group let only those through
                 write_exit_report(self.workdir, rank, error, report.stack)
-            (self.workdir / f"rank{rank}.err").write_text(f"{time.time()!r}\n{''.join(report.format())}")
+            write_whole(self.workdir / f"rank{rank}.err", f"{time.time()!r}\n{''.join(report.format())}")
             raise
 
 
