@@ -175,8 +175,8 @@ def _plan(args) -> None:
     print()
     print(comparison_table(best, known))
     print()
-    if decimal_note(args.memory):
-        print("note:", decimal_note(args.memory))
+    if note := decimal_note(args.memory):
+        print("note:", note)
     print(best.summary(label="evaluated" if args.strategy else "recommended"))
 
 

@@ -12,6 +12,7 @@ these; tests call them directly.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,21 +72,15 @@ class PlannedCell:
 
 def check_data(data, name: str | None) -> None:
     """``--data``: a list (or other iterable) of global batches, or a function of the step that returns one."""
-    import inspect
-
     import torch
 
     if data is None:
         return
     if callable(data) and not isinstance(data, (nn.Module, torch.Tensor)):
-        try:
-            inspect.signature(data).bind(0)
-        except TypeError:
+        if not _takes(data, 0):
             raise InvalidArgumentError(f"--data {name}: {name}{_signature(data)} cannot be called with the step "
                                        "number alone; a data function takes the step and returns its batch: "
-                                       "def batch(step): return ids, targets") from None
-        except ValueError:  # a builtin without a signature: let the call tell
-            pass
+                                       "def batch(step): return ids, targets")
         return
     if isinstance(data, (str, bytes, dict)) or not hasattr(data, "__iter__"):
         raise InvalidArgumentError(f"--data {name}: {name!r} is a {type(data).__name__}; give a list of (ids, "
@@ -96,21 +91,16 @@ def check_loss(loss_fn, name: str | None):
     """``--loss``: a function ``loss(output, targets)``; returned wrapped so that an error inside it is reported as
     the loss's, not as the model's."""
     import functools
-    import inspect
 
     if loss_fn is None:
         return None
     if not callable(loss_fn):
         raise InvalidArgumentError(f"--loss {name}: {name!r} is a {type(loss_fn).__name__}, not a function; give a "
                                    "function loss(output, targets) that returns a scalar tensor")
-    try:
-        inspect.signature(loss_fn).bind(None, None)
-    except TypeError:
+    if not _takes(loss_fn, None, None):
         raise InvalidArgumentError(f"--loss {name}: {name}{_signature(loss_fn)} cannot be called as "
                                    f"{name}(output, targets); a loss takes the model's output and the batch's "
-                                   "targets and returns a scalar tensor") from None
-    except ValueError:
-        pass
+                                   "targets and returns a scalar tensor")
     if getattr(loss_fn, "__wrapped_loss__", None) is not None:
         return loss_fn
 
@@ -127,9 +117,18 @@ def check_loss(loss_fn, name: str | None):
     return loss
 
 
-def _signature(fn) -> str:
-    import inspect
+def _takes(fn, *args) -> bool:
+    """Whether ``fn(*args)`` binds to ``fn``'s signature (True for a builtin without one: the call will tell)."""
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
 
+
+def _signature(fn) -> str:
     try:
         return str(inspect.signature(fn))
     except (TypeError, ValueError):

@@ -55,6 +55,7 @@ def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, s
         raise InvalidArgumentError(f"cannot export --loss {loss_name}: it comes from an earlier cell, and a function "
                                    "cannot be written into the notebook; define it in the exported cell and run it "
                                    "again")
+    saved = data_name is not None and data_name not in bound  # --data from an earlier cell: saved beside it
     data_cells, data_arg = _data_cells(path, data, data_name, bound)
     plan_json = json.dumps({k: v for k, v in plan.to_dict().items() if k not in ("predicted", "alternatives")},
                            indent=1)
@@ -65,8 +66,7 @@ def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, s
                           f"`{plan}`\n\nHere it runs scaled to `num_processes` processes. Run it with papermill:\n"
                           f"`{papermill_command(Path(path.name), steps=20)}`."),
         _parameters(new_code_cell(f"steps = {steps}\nnum_processes = {processes}\nseed = {seed}\nlr = {lr!r}"
-                                  + (f"\ndata_path = {str(_data_path(path)) !r}" if data_arg == ", data=data" and
-                                     data_name not in bound else ""))),
+                                  + (f"\ndata_path = {str(_data_path(path))!r}" if saved else ""))),
         new_code_cell("\n".join(["import math", "", "import torch", "", "import nbtrain",
                                   "from nbtrain.notebook.cell import train_here", *imports, "",
                                   "torch.manual_seed(seed)"])),
@@ -88,7 +88,7 @@ def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, s
     notebook = new_notebook(cells=cells, metadata={"kernelspec": KERNEL,
                                                    "language_info": {"name": "python"}})
     path.parent.mkdir(parents=True, exist_ok=True)
-    if data_name is not None and data_name not in bound:
+    if saved:
         import torch
 
         torch.save(list(data), _data_path(path))

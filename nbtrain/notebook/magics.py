@@ -100,9 +100,10 @@ class AutoparallelMagics(Magics):
         # Every flag is checked before the cell's own code runs: a typo costs nothing and undoes nothing.
         memory = flags.check_line(args, local_devices=_local_devices)
         namespace = self.shell.user_ns
-        for name, flag in ((args.data, "--data"), (args.loss, "--loss")):  # what earlier cells made, checked now
-            if name in namespace:
-                (check_data if flag == "--data" else check_loss)(namespace[name], name)
+        if args.data in namespace:  # made by an earlier cell: checked before this cell's code runs
+            check_data(namespace[args.data], args.data)
+        if args.loss in namespace:
+            check_loss(namespace[args.loss], args.loss)
         before = snapshot(namespace)
         # the user's own code (none in the line form, %autoparallel --model NAME): its errors show as any cell's
         ran = self.shell.run_cell(cell or "", store_history=False)
@@ -125,8 +126,8 @@ class AutoparallelMagics(Magics):
             _show(comparison_table(plan, job.baselines))
             for note in plan.notes:
                 print("note:", note)
-        if decimal_note(args.memory):
-            print("note:", decimal_note(args.memory))
+        if note := decimal_note(args.memory):
+            print("note:", note)
         print(plan.summary(label="evaluated" if args.strategy else "recommended"))
         if not args.quiet and not args.launch:
             self._explorer(job, args, memory)

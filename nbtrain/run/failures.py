@@ -97,11 +97,15 @@ def write_exit_report(workdir, rank: int, stop: SystemExit, stack: traceback.Sta
                 json.dumps({"status": exit_status(stop), "call": f"sys.exit({stop.code!r})", "where": where}))
 
 
-def write_whole(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` all at once (a temporary file renamed): a worker stopped while it writes its report
-    (the agent signals the others once one has failed) leaves no report rather than half of one."""
+def write_whole(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` all at once (a temporary file renamed): a worker stopped while it writes its report
+    (the agent signals the others once one has failed) leaves no report rather than half of one. Not synced to disk:
+    the parent reads it on this machine (checkpoints, which must survive a crash, fsync: checkpoint.py)."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
+    if isinstance(data, bytes):
+        partial.write_bytes(data)
+    else:
+        partial.write_text(data)
     os.replace(partial, path)
 
 

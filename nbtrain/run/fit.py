@@ -279,6 +279,26 @@ def _progress(steps: int, done: int = 0):
     return tqdm(total=steps, initial=done, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
 
 
+def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, global_batch: int,
+             seq_len: int) -> Plan:
+    """``plan`` (a Plan or its compact form) for ``model`` on ``num_processes`` processes (None: the plan's), with
+    the batch's rows and length where it gives none, checked against the model: a plan the model cannot take is one
+    clear error here, not a failure in the workers."""
+    from nbtrain.run.parallelize import check_plan, layer_modules
+
+    if isinstance(plan, str):
+        plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_modules(model)),
+                          global_batch=global_batch, seq_len=seq_len)
+    num_processes = num_processes or plan.num_devices
+    if plan.num_devices != num_processes:
+        raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but {num_processes} processes were "
+                               f"asked for; launch {plan.num_devices}, or write the plan for {num_processes}")
+    if plan.global_batch is None:
+        plan = plan.replace(global_batch=global_batch, seq_len=seq_len)
+    check_plan(model, plan)
+    return plan
+
+
 def _check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
     try:
         b1, b2 = (float(b) for b in betas)
@@ -320,7 +340,6 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     the 1-D parameters (norm weights, biases) from weight decay, as GPT-2's and LLaMA's recipes do (not with
     offload, whose update takes one weight decay per layer)."""
     from nbtrain.run.launch import launch, launched_externally, runs_in_this_process
-    from nbtrain.run.parallelize import check_plan, layer_modules
 
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
@@ -330,16 +349,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
     ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
                          lm_targets=lm_targets)
-    if isinstance(plan, str):
-        plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_modules(model)),
-                          global_batch=ids.shape[0], seq_len=ids.shape[1])
+    plan = plan_for(model, plan, num_processes, global_batch=ids.shape[0], seq_len=ids.shape[1])
     num_processes = num_processes or plan.num_devices
-    if plan.num_devices != num_processes:
-        raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but {num_processes} processes were "
-                               f"asked for; launch {plan.num_devices}, or write the plan for {num_processes}")
-    if plan.global_batch is None:
-        plan = plan.replace(global_batch=ids.shape[0], seq_len=ids.shape[1])
-    check_plan(model, plan)  # here, not in the workers: a plan the model cannot take is one clear error
     if not decay_norms_and_biases and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("decay_norms_and_biases=False with CPU update offload: the offloaded AdamW takes one "
                                    "weight decay per layer; keep decay_norms_and_biases=True, or plan without offload")

@@ -235,9 +235,8 @@ class _Worker:
             self._wait_until_all_forked(rank)
             result = _run_in_group(self.fn, self.args, self.kwargs, self.num_processes, self.pg_timeout,
                                    self.backend)
-            if rank == 0:  # write then rename: the parent never reads half a file
-                (self.workdir / "result.tmp").write_bytes(pickle.dumps(result))
-                os.replace(self.workdir / "result.tmp", self.workdir / "result.pkl")
+            if rank == 0:  # written whole: the parent never reads half a file
+                write_whole(self.workdir / "result.pkl", pickle.dumps(result))
         except BaseException as error:
             # The first rank to fail is the cause; the others usually fail after it ("connection closed by peer").
             report = traceback.TracebackException(*sys.exc_info())

@@ -381,7 +381,7 @@ def check_plan(model: nn.Module, plan: Plan) -> bool:
             raise InvalidPlanError(f"the embedding (layer 0: {first}) and the head (layer {plan.num_layers - 1}: "
                                    f"{last}) share their weight, so they need the same data- and tensor-parallel "
                                    "strategy")
-    if plan.pp > 1 and not detect_family(model).cuts_stages:
+    if plan.pp > 1 and not family.cuts_stages:
         raise InvalidPlanError(f"pipeline stages of {type(model).__name__} are not supported yet (nbtrain cuts its "
                                "own GPT and Hugging Face GPT-2 and Llama models into stages); use pp=1")
     return tied
@@ -402,8 +402,7 @@ def _block_split_problem(model: nn.Module, family: str, tp: int) -> str:
 
 def _tied(layers: list[list[tuple[nn.Module, str]]]) -> bool:
     """Whether the first and the last layer share a parameter (an output head tied to the token embedding)."""
-    first = {id(p) for parent, attr in layers[0] for p in slot_module(parent, attr).parameters()}
-    return any(id(p) in first for parent, attr in layers[-1] for p in slot_module(parent, attr).parameters())
+    return bool(tied_slots(layers))
 
 
 def set_slot_module(parent: nn.Module, attr: str, module: nn.Module) -> None:

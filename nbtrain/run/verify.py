@@ -242,21 +242,6 @@ def _without_randomness(model: nn.Module, ids: torch.Tensor, name: str) -> list[
         "or compare the runs' loss curves over many steps instead")
 
 
-def _checked_plan(model: nn.Module, plan: str, processes: int, batch: int, seq: int):
-    """The plan, parsed and checked against the model as ``fit`` does, before the reference trains."""
-    from nbtrain.errors import InvalidPlanError
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.parallelize import check_plan, layer_modules
-
-    parsed = Plan.parse(plan, num_devices=processes, num_layers=len(layer_modules(model)), global_batch=batch,
-                        seq_len=seq)
-    if parsed.num_devices != processes:
-        raise InvalidPlanError(f"the plan is for {parsed.num_devices} devices but {processes} processes were "
-                               f"asked for; launch {parsed.num_devices}, or write the plan for {processes}")
-    check_plan(model, parsed)
-    return parsed
-
-
 def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int = 32,
            lr: float = 1e-2, seed: int = 0, timeout: float = 600) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
@@ -266,7 +251,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     does not run on this model, both before anything trains."""
     from nbtrain.errors import InvalidArgumentError
     from nbtrain.run.batches import model_vocab_size
-    from nbtrain.run.fit import fit
+    from nbtrain.run.fit import fit, plan_for
 
     source = _build(model, seed)  # built once; a module-level instance is never trained nor changed
     vocab = model_vocab_size(source)
@@ -275,7 +260,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
                                    "verify trains language models (nbtrain's GPT, Hugging Face GPT-2 and Llama)")
     reference_model = copy.deepcopy(source).float().train()
     data = _batches(vocab, batch, seq)
-    checked = _checked_plan(reference_model, plan, processes, batch, seq)  # a plan it cannot run: before training
+    checked = plan_for(reference_model, plan, processes, global_batch=batch, seq_len=seq)  # before training
     turned_off = _without_randomness(reference_model, data[0][0][:2], model)
     parallel_model = copy.deepcopy(reference_model)  # the same initial weights, dropout off, train mode
     initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
