@@ -66,7 +66,7 @@ from nbtrain.planner.strategy import Plan, Strategy  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.run.offload import OffloadedAdamW  # noqa: E402
 from nbtrain.run.offload_split import balanced_offload, step_period  # noqa: E402
-from nbtrain.run.parallelize import layer_modules, slot_module  # noqa: E402
+from nbtrain.models.description import layer_slots, slot_module  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False)
 RATIOS = (0.5, 1.0, 2.0)
@@ -93,7 +93,7 @@ def shape(tokens: int) -> tuple[int, int]:
 def fsdp2_cpu_offload(model):
     """The model under FSDP2 with CPUOffloadPolicy (each layer a group, one root) and fused AdamW over it."""
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for slots in layer_modules(model):
+    for slots in layer_slots(model):
         fully_shard([slot_module(parent, attr) for parent, attr in slots], offload_policy=policy)
     fully_shard(model, offload_policy=policy)
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -43,3 +44,189 @@ class PlainLM(nn.Module):
 def plain_lm():
     torch.manual_seed(0)
     return PlainLM()
+
+
+# -- more models for tests/test_profile_any_model.py: each of its transformers DEFAULT config apart from the sizes ----
+# (dropout as the default has it, tied weights as the default has them), tiny: vocab 128, width 32, 2 blocks, 4 heads
+
+VOCAB, WIDTH, LAYERS, HEADS, FFN, POSITIONS = 128, 32, 2, 4, 64, 64
+SIZES = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+             intermediate_size=FFN, max_position_embeddings=POSITIONS)
+
+
+def mistral():
+    """A transformers Mistral: grouped-query attention (2 key/value heads), sliding-window config, untied head."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**SIZES, num_key_value_heads=2))
+
+
+def phi3():
+    """A transformers Phi-3: fused ``qkv_proj`` and ``gate_up_proj``. Its default pad and end ids (32000) lie outside a
+    128-token vocabulary (the embedding would have no padding row, and transformers warns)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(**SIZES, original_max_position_embeddings=POSITIONS,
+                                      pad_token_id=0, eos_token_id=2))
+
+
+def bert_mlm():
+    """A transformers BERT for masked-LM: its decoder is tied to the word embeddings."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(**SIZES))
+
+
+def vit():
+    """A transformers ViT classifier of 16×16 images in 4×4 patches: no token ids, a Conv2d patch embedding."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    sizes = {k: v for k, v in SIZES.items() if k not in ("vocab_size", "max_position_embeddings")}
+    return ViTForImageClassification(ViTConfig(**sizes, image_size=IMAGE_SIZE, patch_size=4, num_labels=CLASSES))
+
+
+def t5():
+    """A transformers T5 encoder-decoder: two lists of blocks (``encoder.block``, ``decoder.block``), a head tied to
+    the shared embedding."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=WIDTH, d_ff=FFN, d_kv=WIDTH // HEADS,
+                                               num_heads=HEADS, num_layers=LAYERS, num_decoder_layers=LAYERS))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(channels, channels, 3, padding=1), nn.GroupNorm(4, channels)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class ResidualCNN(nn.Module):
+    """Plain torch, no transformers, no tokens: a conv stem, a list of residual conv blocks, pooling, a classifier."""
+
+    def __init__(self, channels: int = 16, depth: int = 3, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(depth))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.pool(x).flatten(1))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return ResidualCNN()
+
+
+# -- what a user of such a model writes: batches `(inputs, targets)`, a loss, and the profiler's inputs ----------------
+# A batch's inputs are a tensor (model(x)), a tuple (model(*x)) or a dict (model(**x)); every tensor has the batch's
+# rows on dim 0. The profiler's `inputs(batch, seq, device) -> (args, targets)` makes the same on fake tensors, so it
+# draws with the global RNG only (a torch.Generator holds a real state fake tensors cannot use).
+
+MASK_ID = 4  # tokens 0-4 are special (pad 0), as in BERT's vocabulary
+IMAGE_SIZE, CLASSES = 16, 10
+
+
+def _masked(ids: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masking, simplified: 15% of the positions become the mask id; only those are predicted."""
+    chosen = torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15
+    return torch.where(chosen, MASK_ID, ids), torch.where(chosen, ids, -100)
+
+
+def lm_batches(steps: int = 3, batch: int = 4, seq: int = 16, seed: int = 0) -> list:
+    """Next-token global batches ``(ids, targets)`` for the causal LMs (Mistral, Phi-3)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, VOCAB, (batch, seq + 1), generator=g) for _ in range(steps)]
+    return [(row[:, :-1], row[:, 1:]) for row in ids]
+
+
+def mlm_batches(steps: int = 3, batch: int = 4, seq: int = 16, seed: int = 0) -> list:
+    """Masked-LM global batches: ``({"input_ids", "attention_mask"}, labels)``, -100 where nothing is predicted."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(MASK_ID + 1, VOCAB, (batch, seq), generator=g)
+        ids, labels = _masked(ids, g)
+        batches.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels))
+    return batches
+
+
+def image_batches(steps: int = 3, batch: int = 4, seed: int = 0) -> list:
+    """Image classification global batches: ``(pixel_values, labels)``, images 3×16×16 (ViT's and the CNN's)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g),
+             torch.randint(0, CLASSES, (batch,), generator=g)) for _ in range(steps)]
+
+
+def t5_batches(steps: int = 3, batch: int = 4, seq: int = 16, seed: int = 0) -> list:
+    """Sequence-to-sequence global batches: ``({"input_ids", "attention_mask", "decoder_input_ids"}, labels)``, the
+    decoder input being the labels shifted right behind T5's start id (the pad id, 0)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+        labels = torch.randint(1, VOCAB, (batch, seq), generator=g)
+        batches.append((_t5_inputs(ids, labels), labels))
+    return batches
+
+
+def _t5_inputs(ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    start = torch.zeros_like(labels[:, :1])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1)}
+
+
+def _logits(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def mlm_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the masked positions only (labels -100 elsewhere), as BertForMaskedLM's own loss."""
+    logits = _logits(output)
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+def classification_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of class logits: a plain tensor (the CNN) or a Hugging Face output's ``.logits`` (ViT)."""
+    return F.cross_entropy(_logits(output).float(), labels)
+
+
+def seq2seq_loss(output, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the decoder's logits against the target sequence."""
+    return F.cross_entropy(_logits(output).float().flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+def mlm_inputs(batch: int, seq: int, device):
+    ids = torch.randint(MASK_ID + 1, VOCAB, (batch, seq), device=device)
+    ids, labels = _masked(ids)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels
+
+
+def image_inputs(batch: int, seq: int, device):
+    """Images have no length: ``seq`` is ignored, and the profile's costs do not depend on it."""
+    return (torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, device=device),
+            torch.randint(0, CLASSES, (batch,), device=device))
+
+
+def t5_inputs(batch: int, seq: int, device):
+    ids = torch.randint(1, VOCAB, (batch, seq), device=device)
+    labels = torch.randint(1, VOCAB, (batch, seq), device=device)
+    return _t5_inputs(ids, labels), labels
+
+
+# `module:attr` targets for the command line
+MLM_DATA = mlm_batches()
+IMAGE_DATA = image_batches()
+T5_DATA = t5_batches()

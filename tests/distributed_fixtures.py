@@ -104,14 +104,15 @@ def gloo_worker(rank: int, world: int, port: int, queue):
 def _worker(rank, world, port, build, plans, clip_norm, queue):
     with gloo_worker(rank, world, port, queue) as report:
         from nbtrain.run.mesh import PlanMeshes
-        from nbtrain.run.parallelize import layer_modules, parallelize
+        from nbtrain.models.description import layer_slots
+        from nbtrain.run.parallelize import parallelize
         from nbtrain.run.trainer import Trainer
 
         results = {}
         for text in plans:
             torch.manual_seed(0)
             model = build()
-            plan = Plan.parse(text, num_devices=world, num_layers=len(layer_modules(model)), global_batch=BATCH,
+            plan = Plan.parse(text, num_devices=world, num_layers=len(layer_slots(model)), global_batch=BATCH,
                               seq_len=SEQ)
             meshes = PlanMeshes(plan)
             model = parallelize(model, plan, meshes)

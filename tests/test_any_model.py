@@ -30,11 +30,11 @@ def test_a_plain_torch_model_with_a_list_of_blocks_trains_like_one_process(plan)
 
 
 def test_the_layers_are_what_runs_before_the_blocks_each_block_and_what_runs_after():
-    from nbtrain.run.parallelize import layer_modules, slot_module
+    from nbtrain.models.description import layer_slots, slot_module
     from tests.any_models import qwen2
 
     model = qwen2()
-    layers = [[slot_module(parent, attr) for parent, attr in slots] for slots in layer_modules(model)]
+    layers = [[slot_module(parent, attr) for parent, attr in slots] for slots in layer_slots(model)]
     assert layers[0] == [model.model.embed_tokens]
     assert layers[1:3] == [[model.model.layers[0]], [model.model.layers[1]]]
     assert layers[3] == [model.model.norm, model.lm_head]  # the rotary table has no parameters: nothing to shard

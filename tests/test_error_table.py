@@ -203,9 +203,9 @@ case("several models in the cell", "magic")(
     lambda e: e.magic("--gpus 8", TINY + "second = nbtrain.GPT(model.config)\n"))
 case("`--model` names no model", "magic")(lambda e: e.magic("--gpus 8 --model x", "x = 1\n"))
 case("`--model` undefined", "magic")(lambda e: e.magic("--gpus 8 --model nothing", "x = 1\n"))
-case("a model the executor cannot run", "magic")(
-    lambda e: e.magic("--gpus 2 -q --launch --processes 2",
-                      "import torch\nnet = torch.nn.Sequential(torch.nn.Linear(8, 8))\n"))
+case("tensor parallelism of a model without a plan for it", "magic")(
+    lambda e: e.magic('--gpus 2 -q --launch --processes 2 --strategy "tp=2"',
+                      "from tests.any_models import plain_lm\nnet = plain_lm()\n"))
 case("`verify` of a model without tokens", "CLI")(
     lambda e: e.cli("verify", "mods:build", "--strategy", "dp_shard=2", "--processes", "2"))
 case("`export` of a reference", "CLI")(lambda e: e.cli("export", "mods:build", "--out", "run.ipynb"))
@@ -510,8 +510,10 @@ def _fit_preset(name: str, plan: str, processes: int):
                num_processes=processes)
 
 
-def _fit_sequential():
-    return fit(torch.nn.Sequential(torch.nn.Linear(8, 8)), tiny_batches(1, rows=4), plan="dp_shard=2", steps=1)
+def _fit_plain_lm_tp():
+    from tests.any_models import plain_lm
+
+    return fit(plain_lm(), tiny_batches(1, rows=4), plan="tp=2", steps=1)
 
 
 def _gpt_forward():
@@ -562,7 +564,7 @@ for k, argument in [("unknown preset", "gpt5"), ("unimportable reference", "no_s
 also("length over the context", "magic")(lambda e: e.magic("--gpus 8 --seq 2048", CONTEXT_1024))
 also("length over the context", "Python")(lambda e: e.raised(_profile, "gpt2", seq_len=2048))
 also("length over the context, in training", "Python")(lambda e: e.raised(_gpt_forward))
-also("a model the executor cannot run", "Python")(lambda e: e.raised(_fit_sequential))
+also("tensor parallelism of a model without a plan for it", "Python")(lambda e: e.raised(_fit_plain_lm_tp))
 also("unknown device", "magic")(lambda e: e.magic("--gpus 8 --gpu TPU"))
 also("unknown device", "Python")(lambda e: e.raised(_catalog, "TPU"))
 also("devices that do not fill nodes", "magic")(lambda e: e.magic("--gpus 12"))

@@ -78,12 +78,13 @@ def _shards_of_a_gpt2_block(model):
 
     from nbtrain.planner.strategy import Plan
     from nbtrain.run.mesh import PlanMeshes
-    from nbtrain.run.parallelize import layer_modules, parallelize
+    from nbtrain.models.description import layer_slots
+    from nbtrain.run.parallelize import parallelize
 
     torch.manual_seed(1)
     x = torch.randn(2, 5, model.config.n_embd)
     expected = model.transformer.h[0](x)
-    plan = Plan.parse("tp=2", num_devices=2, num_layers=len(layer_modules(model)), global_batch=2, seq_len=5)
+    plan = Plan.parse("tp=2", num_devices=2, num_layers=len(layer_slots(model)), global_batch=2, seq_len=5)
     parallelize(model, plan, PlanMeshes(plan))
     block = model.transformer.h[0]
     c_attn = block.attn.c_attn

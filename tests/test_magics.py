@@ -111,8 +111,8 @@ def test_the_model_can_be_named_when_the_cell_makes_several(shell):
      "is not divisible by"),
     ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches", TINY + "batches = []\n",
      "InvalidArgumentError: --data holds no batches"),
-    ("--gpus 2 -q --launch --processes 2", "import torch\nnet = torch.nn.Sequential(torch.nn.Linear(8, 8))\n",
-     "InvalidPlanError: Sequential has no list of repeated blocks nbtrain could find"),
+    ('--gpus 2 -q --launch --processes 2 --strategy "pp=2 mb=2"',
+     "from tests.any_models import plain_lm\nnet = plain_lm()\n", "PlainLM"),
 ])
 def test_mistakes_end_the_cell_with_one_usage_error_and_the_notebook_keeps_its_state(shell, capsys, line, body,
                                                                                      message):

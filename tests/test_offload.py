@@ -375,10 +375,10 @@ def _sharded_gpt():
     """GPT_TINY under FSDP2 as nbtrain's executor shards it: each layer its own group, one root over them."""
     from torch.distributed.fsdp import fully_shard
 
-    from nbtrain.run.parallelize import layer_modules, slot_module
+    from nbtrain.models.description import layer_slots, slot_module
 
     model = GPT(GPT_TINY)
-    for slots in layer_modules(model):
+    for slots in layer_slots(model):
         fully_shard([slot_module(parent, attr) for parent, attr in slots])
     return fully_shard(model)
 

@@ -158,13 +158,13 @@ def test_a_model_nbtrain_cannot_split_by_tp_gets_plans_without_tp_and_a_note_say
     from torch import nn
 
     model = nn.Sequential(nn.Embedding(256, 64), *[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)],
-                          nn.Linear(64, 256))  # plain torch: no tensor-parallel split known for its layers
+                          nn.Linear(64, 256))  # plain torch, no list of one block class: one layer, nothing to split
     profile = nbtrain.profile(model, batch_size=1, seq_len=128)
     best = nbtrain.plan(profile, h100s(n=4), global_batch=8, seq_len=128)
     assert all(s.tp == 1 for p in (best, *best.alternatives) for s in p.layers)
-    assert any("no tensor-parallel split" in note for note in best.notes)
+    assert any("Sequential has no list of repeated blocks for tensor parallelism" in note for note in best.notes)
     assert "note: tensor parallelism" in str(best.table())
-    with pytest.raises(InvalidPlanError, match="tp=2, but nbtrain knows no tensor-parallel split of Sequential"):
+    with pytest.raises(InvalidPlanError, match="tp=2, but Sequential has no list of repeated blocks"):
         nbtrain.plan(profile, h100s(n=4), global_batch=8, seq_len=128, strategy="tp=2")
 
 

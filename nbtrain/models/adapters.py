@@ -24,7 +24,8 @@ class ModelFamily:
     """How to cut and feed one kind of model."""
 
     name: str
-    """``nbtrain-gpt``, ``hf-gpt2``, ``hf-llama`` or ``generic``."""
+    """``nbtrain-gpt``, ``hf-<model_type>`` for a Hugging Face model (``hf-gpt2``, ``hf-llama``, ...), or
+    ``generic``."""
     blocks_path: str | None
     """Dotted path of the repeated blocks (a ``ModuleList``/``Sequential``); ``None`` when there are none."""
     vocab_size: int | None = None
@@ -43,11 +44,6 @@ class ModelFamily:
     """Anything the user should know about how the model was read."""
     fake_tracing: Callable[[], ContextManager] = nullcontext
     """Context to enter while the profiler traces the model on fake tensors (see :func:`_hf_unpacked_batches`)."""
-    no_tensor_parallel: str = ""
-    """Why nbtrain cannot split this family's layers by tensor parallelism (empty: it can)."""
-    cuts_stages: bool = False
-    """Whether the executor cuts this family into pipeline stages (nbtrain's GPT, Hugging Face GPT-2 and Llama);
-    the planner plans the others with pp=1."""
     splits_tied: bool = False
     """Whether the executor splits a tied embedding and head: vocabulary-parallel under tensor parallelism (one
     DTensor for both), and across pipeline stages (a copy in the first and the last, their gradients summed), as
@@ -88,19 +84,25 @@ def _hf_unpacked_batches():
 
 
 def _hf_family(model: nn.Module) -> ModelFamily | None:
+    """A Hugging Face model, read from its config (``hf-<model_type>``); its blocks are found as for any model."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    hf_paths = {"gpt2": ("transformer.h", "h"), "llama": ("model.layers", "layers")}
-    if model_type not in hf_paths:
+    if not isinstance(model_type, str) or not hasattr(config, "to_dict"):
         return None
-    path = next((p for p in hf_paths[model_type] if has_submodule(model, p)), None)
-    if model_type == "gpt2":
-        return ModelFamily("hf-gpt2", path, config.vocab_size, config.n_positions, config.n_embd, config.n_head,
-                           config.n_head, forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches,
-                           splits_tied=True, cuts_stages=True)
-    return ModelFamily("hf-llama", path, config.vocab_size, config.max_position_embeddings, config.hidden_size,
-                       config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads,
-                       forward_kwargs={"use_cache": False}, fake_tracing=_hf_unpacked_batches, cuts_stages=True)
+    known = {"gpt2": ("transformer.h", "h"), "llama": ("model.layers", "layers")}
+    path = next((p for p in known.get(model_type, ()) if has_submodule(model, p)), None) or _repeated_blocks(model)
+
+    def first(*names):
+        return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+
+    heads = first("num_attention_heads", "n_head", "num_heads")
+    text = getattr(config, "vocab_size", None) is not None
+    return ModelFamily(f"hf-{model_type}", path, first("vocab_size") if _first(model, nn.Embedding) else None,
+                       first("n_positions", "max_position_embeddings") if text else None,
+                       first("hidden_size", "n_embd", "d_model"), heads, first("num_key_value_heads") or heads,
+                       forward_kwargs={"use_cache": False} if hasattr(config, "use_cache") else {},
+                       note="" if path else "no list of repeated blocks found: profiled as one layer",
+                       fake_tracing=_hf_unpacked_batches, splits_tied=model_type == "gpt2")
 
 
 def has_submodule(model: nn.Module, path: str) -> bool:
@@ -129,13 +131,12 @@ def _first(model: nn.Module, kind: type) -> nn.Module | None:
 
 
 def detect_family(model: nn.Module) -> ModelFamily:
-    """Recognise ``model``: nbtrain's GPT, a Hugging Face GPT-2 or Llama, or a generic model."""
+    """Recognise ``model``: nbtrain's GPT, a Hugging Face model (by its config), or a generic model."""
     from nbtrain.models.gpt import GPT
 
     if isinstance(model, GPT):
         c = model.config
-        return ModelFamily("nbtrain-gpt", "blocks", c.vocab_size, c.block_size, c.n_embd, c.n_head, c.kv_heads,
-                           cuts_stages=True)
+        return ModelFamily("nbtrain-gpt", "blocks", c.vocab_size, c.block_size, c.n_embd, c.n_head, c.kv_heads)
     family = _hf_family(model)
     if family is not None:
         return family
@@ -143,5 +144,4 @@ def detect_family(model: nn.Module) -> ModelFamily:
     embedding = _first(model, nn.Embedding)
     vocab = embedding.num_embeddings if embedding is not None else None
     note = "" if path else "no list of repeated blocks found: profiled as one layer"
-    return ModelFamily("generic", path, vocab_size=vocab, note=note,
-                       no_tensor_parallel=f"nbtrain knows no tensor-parallel split of {type(model).__name__}'s layers")
+    return ModelFamily("generic", path, vocab_size=vocab, note=note)

@@ -220,9 +220,9 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     from nbtrain.planner.scale import scale_plan
     from nbtrain.profiler.model import lm_loss
     from nbtrain.run.batches import check_batch, model_vocab_size
-    from nbtrain.run.parallelize import layer_modules
+    from nbtrain.models.description import layer_slots
 
-    layer_modules(model)  # a model the executor cannot run is refused before any batch is read or made
+    layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
         first = data(0) if callable(data) else next(iter(data), None)
         if first is None:

@@ -132,6 +132,7 @@ class BucketCosts:
     def __init__(self, profile: ModelProfile, cluster: Cluster, budget: float | None, options):
         self.profile, self.cluster, self.options, self._budget = profile, cluster, options, budget
         heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
+        unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)
         # one strategy for every layer: a tied embedding and head keep the shared weight unsplit by TP (search.py)
         tied = len(profile.layers) > 1 and bool(profile.layers[-1].tied)
         self.no_tp = profile.arch.get("no_tensor_parallel") or ("a tied embedding and head" if tied else "")
@@ -140,7 +141,7 @@ class BucketCosts:
             s for s in strategy_space(cluster.num_devices, devices_per_node=cluster.devices_per_node,
                                       max_tp=1 if self.no_tp else options.max_tp, allow_ac=options.allow_ac,
                                       zero_levels=options.zero_levels)
-            if s.tp == 1 or not heads or heads % s.tp == 0]
+            if s.tp == 1 or ((not heads or heads % s.tp == 0) and (not unit or unit % s.tp == 0))]
         kinds = _layer_kinds(profile)  # layers of one kind cost the same under every strategy
         self.kinds = [(kinds.index(k), kinds.count(k)) for k in sorted(set(kinds))]  # (representative, count)
         probe = self.model(cluster.num_devices, profile.seq_len)

@@ -246,6 +246,7 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
     n = len(profile.layers)
     heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
     max_tp = 1 if profile.arch.get("no_tensor_parallel") else opts.max_tp
+    unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)
     pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
     tasks = []
     for pp in pps:
@@ -260,7 +261,8 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
                                                offload_levels=opts.offload_levels if pp == 1 else (0.0,),
                                                allow_ac=opts.allow_ac,
                                                zero_levels=opts.zero_levels)
-                     if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)]
+                     if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
+                     and (s.tp == 1 or not unit or unit % s.tp == 0)]
             # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallelize.check_plan), so
             # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
             spaces = [[s for s in space if not s.offload]]
@@ -401,7 +403,11 @@ def executor_problem(profile: ModelProfile, plan: Plan) -> str:
         return ("the embedding and the head share their weight, which the executor keeps in one pipeline stage, "
                 "unsplit by tensor parallelism and with one strategy (pp=1, tp=1 on the first and last layers)")
     if plan.pp > 1 and not cuts_stages(profile):
-        return f"the executor does not cut {profile.model} into pipeline stages yet (pp=1)"
+        return profile.arch.get("no_pipeline") or f"the executor does not cut {profile.model} into pipeline stages"
+    unit = profile.arch.get("tp_unit")
+    uneven = next((s.tp for s in plan.layers if s.tp > 1 and unit and unit % s.tp), None)
+    if uneven:
+        return f"tp={uneven} does not divide the layers' split features and heads ({unit} is their common divisor)"
     if plan.pp > 1 and plan.schedule == "1f1b" and plan.microbatches < plan.pp:
         return (f"1F1B needs at least as many micro-batches as stages (mb={plan.microbatches} < pp={plan.pp}); "
                 f"use mb={plan.pp} or more, or schedule=gpipe")

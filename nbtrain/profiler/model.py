@@ -25,6 +25,7 @@ from torch import nn
 
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family
+from nbtrain.models.description import describe, planner_facts
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.result import QUANTITIES, LayerProfile, ModelProfile, Scaling
 from nbtrain.profiler.segments import first_tensor
@@ -41,25 +42,31 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
-def _default_batch(model: nn.Module, family: ModelFamily) -> tuple[Callable, Callable]:
-    """Token ids and next-token loss for language models; float features and a mean-square loss otherwise."""
+PASS_INPUTS = ("pass inputs=lambda batch, seq, device: (args, targets), args being what the model takes (a tensor, "
+               "a tuple of tensors, or a dict of keyword tensors such as {'input_ids': ..., 'attention_mask': ...}), "
+               "and loss_fn=lambda output, targets: loss")
+
+
+def _default_batch(model: nn.Module, family: ModelFamily) -> tuple[Callable, Callable, str]:
+    """Token ids and next-token loss for language models; float features and a mean-square loss otherwise.
+    The third value is the hint the tracing error gives if the model does not take what it was fed."""
     if family.vocab_size:
         vocab = family.vocab_size
 
         def tokens(b, s, device):
             return (torch.randint(0, vocab, (b, s), device=device),), torch.randint(0, vocab, (b, s), device=device)
-        return tokens, lm_loss
+        return tokens, lm_loss, "if the model takes other inputs than token ids, pass inputs=... and loss_fn=..."
     first_linear = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
     if first_linear is None:
         raise ProfileError(
-            f"cannot tell what {type(model).__name__} takes as input (no nn.Embedding, no nn.Linear); "
-            "pass inputs=lambda batch, seq, device: ((x,), targets) and loss_fn=..."
+            f"cannot tell what {type(model).__name__} takes as input (no nn.Embedding, no nn.Linear); {PASS_INPUTS}"
         )
     width = first_linear.in_features
 
     def features(b, s, device):
         return (torch.randn(b, s, width, device=device),), None
-    return features, lambda out, _: first_tensor(out).float().square().mean()
+    hint = f"nbtrain fed it float features (batch, seq, {width}), as wide as its first nn.Linear; {PASS_INPUTS}"
+    return features, lambda out, _: first_tensor(out).float().square().mean(), hint
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -147,26 +154,44 @@ def _attribute_params(step: Step, module_segment: dict[nn.Module, int]):
 
 def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bfloat16",
             measure: bool | str = False, inputs: Callable | None = None, loss_fn: Callable | None = None,
-            name: str | None = None) -> ModelProfile:
+            name: str | None = None, tp_plan: dict[str, str] | None = None) -> ModelProfile:
     """Profile ``model`` (an ``nn.Module``, a preset name like ``"llama-7b"``, or ``"module:attr"``).
 
     ``seq_len`` defaults to the model's context length, at most 1024. ``measure=True`` (or a device such as
     ``"cuda"``) also times each layer for real on that device, which allocates a copy of the model there.
     ``inputs(batch, seq, device) -> (args, targets)`` and ``loss_fn(output, targets)`` replace the token batch
-    and next-token loss used for language models.
+    and next-token loss used for language models. ``args`` is what the model takes: a tensor (``model(args)``), a
+    tuple of tensors (``model(*args)``) or a dict (``model(**args)``), made on ``device`` (fake tensors while
+    counting, so draw with the global RNG, not a ``torch.Generator``); every tensor has the batch on dim 0::
+
+        def mlm_inputs(batch, seq, device):          # BertForMaskedLM: keywords, labels -100 where not masked
+            ids = torch.randint(5, 128, (batch, seq), device=device)
+            masked = torch.rand(batch, seq, device=device) < 0.15
+            inputs = {"input_ids": torch.where(masked, 4, ids), "attention_mask": torch.ones_like(ids)}
+            return inputs, torch.where(masked, ids, -100)
+
+        prof = nbtrain.profile(bert, seq_len=16, inputs=mlm_inputs,
+                               loss_fn=lambda out, labels: F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()))
+        nbtrain.profile(cnn, inputs=lambda b, s, device: (torch.randn(b, 3, 32, 32, device=device),
+                                                          torch.randint(0, 10, (b,), device=device)),
+                        loss_fn=F.cross_entropy)          # images: ``seq`` is ignored
+
+    Without ``inputs``, a model with an ``nn.Embedding`` is fed token ids, and any other model float features as
+    wide as its first ``nn.Linear``; when that is not what it takes, the error says to pass ``inputs``. Float
+    inputs are cast to ``dtype`` (a bf16 conv refuses fp32 images); ids and masks keep theirs.
     """
     started = time.perf_counter()
     label, model = resolve_model(model, name)
     torch_dtype = _check_dtype(dtype)
     family = detect_family(model)
     seq_len = _check_shape(batch_size, seq_len, family)
-    default_inputs, default_loss = _default_batch(model, family) if inputs is None else (None, lm_loss)
+    default_inputs, default_loss, hint = _default_batch(model, family) if inputs is None else (None, lm_loss, "")
     step = Step(model, family, family.blocks(model), inputs or default_inputs, loss_fn or default_loss, torch_dtype)
 
     was_training = model.training
     model.train()  # profile training: dropout masks and the like are saved as in a real step
     try:
-        asked = _count_or_explain(step, batch_size, seq_len)
+        asked = _count_or_explain(step, batch_size, seq_len, hint)
         fits = _fit(step, asked, batch_size, seq_len)
         device = _measure_device(measure)
         times = time_step(_materialized(step, device), batch_size, seq_len, device) if device else None
@@ -187,9 +212,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
         layers.append(LayerProfile(layer_name, kind, owned[i], owned[i] * torch_dtype.itemsize, **exact,
                                    scaling=fits[i], tied=tuple(tied[i]), **measured))
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
-    arch["no_tensor_parallel"] = family.no_tensor_parallel
-    arch["splits_tied"] = family.splits_tied
-    arch["cuts_stages"] = family.cuts_stages
+    arch.update(planner_facts(describe(model, tp_plan)))  # what the executor can split and cut, for the planner
     return ModelProfile(
         model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
         dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),
@@ -198,16 +221,18 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     )
 
 
-def _count_or_explain(step: Step, b: int, s: int) -> Counts:
+def _count_or_explain(step: Step, b: int, s: int, hint: str = "") -> Counts:
+    """``hint``: what to do when the inputs nbtrain guessed are not what the model takes (empty: the user's)."""
     try:
         return count(step, b, s)
     except NbtrainError:  # already one line for the user (a --loss that raised, say)
         raise
     except Exception as exc:  # the user's forward failed on fake tensors: say so in one line
         first_line = str(exc).splitlines()[0] if str(exc) else ""
+        hint = hint or "check that inputs(batch, seq, device) makes what the model takes, and loss_fn what it returns"
         raise ProfileError(
             f"tracing {type(step.model).__name__} at batch {b}, length {s} failed: {type(exc).__name__}: "
-            f"{first_line} (if the model takes other inputs than token ids, pass inputs=... and loss_fn=...)"
+            f"{first_line} ({hint})"
         ) from exc
 
 

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils._pytree import tree_map
 
+from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor
@@ -30,7 +32,7 @@ class Step:
     family: ModelFamily
     blocks: list[nn.Module]
     inputs: Callable
-    """``inputs(batch, seq, device) -> (args, targets)``."""
+    """``inputs(batch, seq, device) -> (args, targets)``; ``args`` as :func:`call_model` takes them."""
     loss_fn: Callable
     """``loss_fn(output, targets) -> scalar``."""
     dtype: torch.dtype
@@ -49,14 +51,35 @@ class Counts:
     """The segment in which each module first ran (to attribute parameters outside the blocks)."""
 
 
+def call_model(model: nn.Module, args, kwargs: dict, params: dict | None = None):
+    """``model(args)`` for a tensor, ``model(*args)`` for a tuple or list, ``model(**args)`` for a dict, with the
+    family's ``kwargs`` (``use_cache=False``) unless ``args`` names them; through ``params`` when given."""
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, dict):
+        args, kwargs = (), {**kwargs, **args}
+    elif isinstance(args, (tuple, list)):
+        args = tuple(args)
+    else:
+        raise ProfileError(f"inputs(batch, seq, device) returned {type(args).__name__} arguments; return "
+                           "(args, targets) with args a tensor, a tuple of tensors or a dict of keyword tensors")
+    if params is None:
+        return model(*args, **kwargs)
+    return functional_call(model, params, args, kwargs, strict=False)
+
+
+def _in_dtype(args, dtype: torch.dtype):
+    """Float inputs (images, features) in the profile's dtype, as a bf16 model is fed them; ids and masks keep
+    theirs. An ``inputs`` function does not know the dtype, and a conv or linear refuses a mix."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+
+
 def _run(step: Step, observers, b: int, s: int, device, params: dict | None):
     args, targets = step.inputs(b, s, device)
+    args = _in_dtype(args, step.dtype)
     tracker = SegmentTracker(step.blocks, observers)
     with tracker:
-        if params is None:
-            out = step.model(*args, **step.family.forward_kwargs)
-        else:
-            out = functional_call(step.model, params, args, step.family.forward_kwargs, strict=False)
+        out = call_model(step.model, args, step.family.forward_kwargs, params)
         loss = step.loss_fn(out, targets)
         tracker.start_backward()
         loss.backward()

@@ -284,10 +284,11 @@ def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, g
     """``plan`` (a Plan or its compact form) for ``model`` on ``num_processes`` processes (None: the plan's), with
     the batch's rows and length where it gives none, checked against the model: a plan the model cannot take is one
     clear error here, not a failure in the workers."""
-    from nbtrain.run.parallelize import check_plan, layer_modules
+    from nbtrain.models.description import layer_slots
+    from nbtrain.run.parallelize import check_plan
 
     if isinstance(plan, str):
-        plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_modules(model)),
+        plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_slots(model)),
                           global_batch=global_batch, seq_len=seq_len)
     num_processes = num_processes or plan.num_devices
     if plan.num_devices != num_processes:

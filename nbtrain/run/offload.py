@@ -153,14 +153,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         it at that layer (and ``model.state_dict()`` waits for all); ``"step"``: ``step()`` waits for every update."""
         from torch.nn.parallel import DistributedDataParallel
 
-        from nbtrain.run.parallelize import layer_modules, slot_module
+        from nbtrain.models.description import layer_slots, slot_module
 
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         if hasattr(offload, "layers"):
             offload = [s.offload for s in offload.layers]
         if land_at not in ("forward", "step"):
             raise InvalidArgumentError(f"land_at must be 'forward' or 'step'; got {land_at!r}")
-        modules = [[slot_module(parent, attr) for parent, attr in slots] for slots in layer_modules(inner)]
+        modules = [[slot_module(parent, attr) for parent, attr in slots] for slots in layer_slots(inner)]
         layers = [[p for module in layer for p in module.parameters()] for layer in modules]
         opt = cls(layers, offload, land_before=modules if land_at == "forward" else None, **kwargs)
         if land_at == "forward":  # a checkpoint taken between steps holds the new weights

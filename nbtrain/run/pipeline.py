@@ -27,10 +27,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
-from nbtrain.models.adapters import detect_family
+from nbtrain.models.description import described
+from nbtrain.models.stages import stage_layers
 from nbtrain.planner.strategy import Plan
 from nbtrain.run.mesh import PlanMeshes, device_type, local_shard
-from nbtrain.run.parallelize import _tied, add_fsdp_root, layer_modules, slot_module, tied_slots
+from nbtrain.run.parallelize import add_fsdp_root
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -49,91 +50,13 @@ class StageModule(nn.Module):
         return x
 
 
-class RotaryBlock(nn.Module):
-    """A Hugging Face Llama decoder layer as a pipeline stage runs it: on the hidden state alone. The model's
-    forward computes the RoPE tables once and hands them to every layer; a stage computes them for its layers
-    (the same tables: they depend only on the positions) and relies on causal attention without a mask, as the
-    model does when no padding mask is given."""
-
-    def __init__(self, block: nn.Module, rotary: nn.Module):
-        super().__init__()
-        self.block, self.rotary = block, rotary
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        mask = None
-        if getattr(self.rotary, "config", None) is not None and self.rotary.config._attn_implementation == "eager":
-            mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
-            mask = mask[None, None]  # eager attention adds the mask; without one it would not be causal
-        return self.block(x, attention_mask=mask, position_embeddings=self.rotary(x, positions),
-                          position_ids=positions)
-
-
-class GPT2Embeddings(nn.Module):
-    """A Hugging Face GPT-2's first layer as a pipeline stage runs it: token and position embeddings, summed, then
-    the embedding dropout (``GPT2Model.forward``'s first lines, for ids without padding or a cache)."""
-
-    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module):
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        return self.drop(self.wte(ids) + self.wpe(positions))
-
-
-class CausalBlock(nn.Module):
-    """A Hugging Face GPT-2 block on the hidden state alone: causal attention without a mask (SDPA's ``is_causal``,
-    as the model's forward leaves it when no padding mask is given), or an additive causal mask for eager attention."""
-
-    def __init__(self, block: nn.Module, config):
-        super().__init__()
-        self.block, self.config = block, config
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = None
-        if getattr(self.config, "_attn_implementation", None) == "eager":
-            mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
-            mask = mask[None, None]
-        return self.block(x, attention_mask=mask)
-
-
-def stage_layers(model: nn.Module, start: int, end: int) -> list[nn.Module]:
-    """Layers ``[start, end)`` of ``model`` (already parallelized) as modules that each take one tensor."""
-    slots = layer_modules(model)[start:end]
-    family = detect_family(model).name
-    last = len(layer_modules(model)) - 1
-    if family == "hf-gpt2":
-        layers = []
-        for i, group in enumerate(slots, start):
-            modules = [slot_module(parent, attr) for parent, attr in group]
-            if i == 0:
-                layers.append(GPT2Embeddings(*modules, model.transformer.drop))  # wte, wpe
-            elif i == last:
-                layers.append(nn.Sequential(*modules))  # final norm, then the LM head
-            else:
-                layers.append(CausalBlock(modules[0], model.config))
-        return layers
-    if family != "hf-llama":
-        return [slot_module(parent, attr) for (parent, attr), in slots]
-    layers = []
-    for i, group in enumerate(slots, start):
-        modules = [slot_module(parent, attr) for parent, attr in group]
-        if i == 0:
-            layers.append(modules[0])  # embed_tokens
-        elif i == last:
-            layers.append(nn.Sequential(*modules))  # final norm, then the LM head
-        else:
-            layers.append(RotaryBlock(modules[0], model.model.rotary_emb))
-    return layers
-
-
 class PipelineRunner:
     """This process's pipeline stage and the plan's schedule over it."""
 
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, loss_fn: Callable):
         start, end = plan.stage_ranges()[meshes.stage]
-        self.module = StageModule(stage_layers(model, start, end))
+        description = described(model)
+        self.module = StageModule(stage_layers(description, start, end))
         add_fsdp_root(self.module, model, plan, meshes)
         self.first, self.last = meshes.stage == 0, meshes.stage == plan.pp - 1
         device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else \
@@ -141,12 +64,11 @@ class PipelineRunner:
         self.stage = PipelineStage(self.module, meshes.stage, plan.pp, device, group=meshes.pp_mesh().get_group())
         self.schedule = SCHEDULES[plan.schedule](self.stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
         # a head tied to the embedding in another stage: the slots holding this stage's copy of the shared weight
-        layers = layer_modules(model)
         self.tied: list[tuple[nn.Module, str]] = []
         self.embedding_group = None
-        if _tied(layers):
+        pairs = description.ties  # parallelize re-tied both names to this stage's parameter
+        if pairs:
             self.embedding_group = _embedding_group(plan, meshes)
-            pairs = tied_slots(layers)  # parallelize re-tied both names to this stage's parameter
             self.tied = [first for first, _ in pairs] if self.first else [last for _, last in pairs] \
                 if self.last else []
 

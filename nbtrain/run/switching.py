@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.strategy import Plan, Strategy
 from nbtrain.run.mesh import PlanMeshes, local_shard
-from nbtrain.run.parallelize import layer_modules, parallelize, set_checkpointing
+from nbtrain.models.description import layer_slots
+from nbtrain.run.parallelize import parallelize, set_checkpointing
 from nbtrain.run.reshard import ReshardPlan
 from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
 
@@ -80,7 +81,7 @@ class _Layout:
     def __init__(self, build: Callable[[], nn.Module], strategy: Strategy, seed: int):
         torch.manual_seed(seed)
         model = build()
-        n = len(layer_modules(model))
+        n = len(layer_slots(model))
         self.strategy = strategy
         self.plan = Plan(num_devices=dist.get_world_size(), layers=(strategy,) * n)
         self.meshes = PlanMeshes(self.plan)

@@ -29,10 +29,10 @@ def trained_prefixes(model: nn.Module, plan, stage: int) -> tuple[str, ...]:
 
 def layer_prefixes(model: nn.Module, start: int = 0, end: int | None = None) -> tuple[str, ...]:
     """Name prefixes of layers ``[start, end)`` (all by default) in the unwrapped model's names."""
-    from nbtrain.run.parallelize import layer_modules, slot_module
+    from nbtrain.models.description import layer_slots, slot_module
 
     names = {id(module): name for name, module in model.named_modules()}
-    return tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_modules(model)[start:end]
+    return tuple(names[id(slot_module(parent, attr))] + "." for slots in layer_slots(model)[start:end]
                  for parent, attr in slots)
 
 

@@ -1,0 +1,286 @@
+"""One description of a model that the profiler, the planner and the executor all read, derived from the model.
+
+    >>> from tests.any_models import qwen2
+    >>> d = describe(qwen2())
+    >>> d.names[0], d.names[1], d.names[-1]
+    (['model.embed_tokens'], ['model.layers.0'], ['model.norm', 'lm_head'])
+    >>> d.tensor_parallel[1][:2]
+    [('model.layers.0.self_attn.q_proj', 'colwise'), ('model.layers.0.self_attn.k_proj', 'colwise')]
+    >>> d.no_tensor_parallel, d.stages
+    ('', 'hf-rotary')
+
+**Layers** are what the profiler times one by one: what runs before the repeated blocks, each block, what runs
+after (:func:`layer_slots`). A model with no list of repeated blocks is one layer. **Tied** parameters are found by
+identity between the first and the last layer (a head tied to the token embedding). **Tensor parallelism** comes
+from a plan in Hugging Face's vocabulary (:mod:`nbtrain.models.tensor_parallel`): the user's (``tp_plan=``), else
+the model's own (``config.base_model_tp_plan`` and the class's ``_tp_plan``), else nbtrain's table for its GPT and
+for GPT-2 (transformers ships none for it); the embedding and the head split the vocabulary wherever the plan says
+nothing of them. A model whose blocks no plan splits has none, and ``no_tensor_parallel`` says why. **Pipeline
+stages** (``stages``) are cut at layer boundaries where the executor knows how to run a layer on the hidden state
+alone; ``no_pipeline`` says why not elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from nbtrain.errors import InvalidPlanError
+from nbtrain.models.adapters import ModelFamily, detect_family
+from nbtrain.models.tensor_parallel import check_style, matched_plan, split_dimension
+
+Slot = tuple[nn.Module, str]
+"""``(parent, attribute)``: where a module of a layer sits, so a wrapper can replace it."""
+
+NBTRAIN_GPT_TP = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+                  "blocks.*.attn.o": "rowwise", "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.gate": "colwise",
+                  "blocks.*.mlp.fc2": "rowwise"}
+"""nbtrain's GPT, Megatron's split: q, k, v and the MLP's first layer(s) by output, the projections by input."""
+
+GPT2_TP = {"h.*.attn.c_attn": "packed_colwise", "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
+           "h.*.mlp.c_proj": "rowwise"}
+"""Hugging Face GPT-2 (relative to ``model.transformer``): the same split of its ``Conv1D`` layers."""
+
+
+def slot_module(parent: nn.Module, attr: str) -> nn.Module:
+    return parent[int(attr)] if attr.isdigit() else getattr(parent, attr)
+
+
+def set_slot_module(parent: nn.Module, attr: str, module: nn.Module) -> None:
+    if attr.isdigit():
+        parent[int(attr)] = module
+    else:
+        setattr(parent, attr, module)
+
+
+def layer_slots(model: nn.Module, family: ModelFamily | None = None) -> list[list[Slot]]:
+    """For each profiled layer (embeddings, every block, the head), the slots of the modules that hold it.
+
+    The modules registered before the list of blocks, on the way down to it, are the first layer (nbtrain's GPT:
+    ``embed``; GPT-2: ``wte``, ``wpe``); each block is a layer; those registered after it, innermost first, are the
+    last (a final norm, then the head), as the profiler cuts the model. Modules without parameters are left out
+    (nothing to shard or update). A model without a list of blocks is one layer: the model itself."""
+    family = family or detect_family(model)
+    if not family.blocks_path:
+        return [[(WholeModel(model), "model")]]
+    before, after, parent = [], [], model
+    for part in family.blocks_path.split("."):
+        names = list(parent._modules)
+        i = names.index(part)
+        before += [(parent, n) for n in names[:i] if parent._modules[n] is not None]
+        after = [(parent, n) for n in names[i + 1:] if parent._modules[n] is not None] + after
+        parent = parent._modules[part]
+
+    seen: set[int] = set()
+
+    def with_parameters(slots):  # each module once (T5's decoder holds the shared embedding a second time)
+        kept = [(p, a) for p, a in slots if any(True for _ in slot_module(p, a).parameters())
+                and id(slot_module(p, a)) not in seen]
+        seen.update(id(slot_module(p, a)) for p, a in kept)
+        return kept
+
+    return [with_parameters(before)] + [[(parent, str(i))] for i in range(len(parent))] + [with_parameters(after)]
+
+
+class WholeModel:
+    """The slot of a model that is one layer: it has no parent to replace it in (a wrapper goes on its forward)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __getattr__(self, name):  # slot_module(root, "model")
+        if name == "model":
+            return self.__dict__["model"]
+        raise AttributeError(name)
+
+
+def tied_slots(layers: list[list[Slot]]) -> list[tuple[tuple[nn.Module, str], tuple[nn.Module, str]]]:
+    """``((module, name) in the first layer, (module, name) in the last)`` for each parameter they share (a head
+    tied to the token embedding), found by identity before any wrapping or sharding."""
+    if len(layers) < 2:
+        return []
+    first = {}
+    for parent, attr in layers[0]:
+        for module in slot_module(parent, attr).modules():
+            for name, p in module.named_parameters(recurse=False):
+                first.setdefault(id(p), (module, name))
+    pairs = []
+    for parent, attr in layers[-1]:
+        for module in slot_module(parent, attr).modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in first:
+                    pairs.append((first[id(p)], (module, name)))
+    return pairs
+
+
+@dataclass(eq=False)
+class ModelDescription:
+    """What nbtrain knows about one model (module docstring)."""
+
+    model: nn.Module
+    family: ModelFamily
+    layers: list[list[Slot]]
+    names: list[list[str]]
+    """The dotted name of each layer's modules in the model."""
+    tensor_parallel: list[list[tuple[str, str]]]
+    """Per layer, ``(module name, style)`` of each module tensor parallelism splits (empty: none)."""
+    no_tensor_parallel: str = ""
+    """Why the model's blocks cannot be split by tensor parallelism (empty: they can)."""
+    stages: str = ""
+    """How the executor runs a layer as a pipeline stage: ``layers`` (each layer takes and returns one tensor),
+    ``hf-gpt2``, ``hf-rotary`` (a Hugging Face decoder with a pipeline plan and rotary embeddings); empty: none."""
+    no_pipeline: str = ""
+    """Why the model cannot be cut into pipeline stages (empty: it can)."""
+    ties: list = field(default_factory=list)
+    """:func:`tied_slots` of the layers."""
+
+    def module(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name)
+
+    def splits_heads(self, layer: int) -> bool:
+        """Whether tensor parallelism gives each rank a part of this layer's heads (their count must divide by tp)."""
+        return any(style in ("colwise", "packed_colwise") for _, style in self.tensor_parallel[layer])
+
+    def local_heads(self, layer: int, tp: int) -> None:
+        """After tensor parallelism split block ``layer``: attributes a block reads its head count from, made this
+        rank's (GPT-2's attention splits ``c_attn``'s output by ``split_size`` and views it by ``num_heads``; the
+        Llama-like ones view by ``-1`` and need nothing)."""
+        if self.family.name == "hf-gpt2" and 0 < layer < len(self.layers) - 1:
+            parent, attr = self.layers[layer][0]
+            attn = slot_module(parent, attr).attn
+            attn.split_size //= tp
+            attn.num_heads //= tp
+
+    def tensor_parallel_problem(self, layer: int, tp: int) -> str:
+        """Why layer ``layer`` cannot be split ``tp`` ways (empty: it can)."""
+        if tp <= 1:
+            return ""
+        if self.no_tensor_parallel and (0 < layer < len(self.layers) - 1 or len(self.layers) <= 2):
+            return self.no_tensor_parallel
+        for name, style in self.tensor_parallel[layer]:
+            problem = check_style(name, self.module(name), style, tp)
+            if problem:
+                return problem
+        return ""
+
+
+def _hf_plan(model: nn.Module) -> tuple[dict[str, str], str]:
+    """The model's own tensor-parallel plan, with names relative to ``model``, and where it came from."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = prefix if prefix and hasattr(model, prefix) and isinstance(getattr(model, prefix), nn.Module) else ""
+    plan = {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
+    plan.update(getattr(model, "_tp_plan", None) or {})
+    return plan, f"{type(config).__name__}.base_model_tp_plan"
+
+
+def _known_plan(model: nn.Module, family: ModelFamily) -> dict[str, str]:
+    if family.name == "nbtrain-gpt":
+        return dict(NBTRAIN_GPT_TP)
+    if family.name == "hf-gpt2":
+        return {f"transformer.{k}": v for k, v in GPT2_TP.items()} if hasattr(model, "transformer") else dict(GPT2_TP)
+    return _hf_plan(model)[0]
+
+
+def _vocabulary_split(model: nn.Module, layers: list[list[Slot]], names: list[list[str]],
+                      found: dict[str, str]) -> None:
+    """Where the plan says nothing of the first and last layers: the token table (the first layer's largest
+    ``nn.Embedding``) splits the vocabulary, and the head (the last layer's last ``nn.Linear``) its output, gathered
+    for the loss, as Megatron does (Shoeybi et al. 2019, §3)."""
+    if len(layers) < 2:
+        return
+    for layer, kind, style in ((0, nn.Embedding, "embedding_rowwise"), (-1, nn.Linear, "colwise_gather_output")):
+        if any(n == name or n.startswith(name + ".") for n in found for name in names[layer] if name):
+            continue
+        candidates = [(f"{name}.{n}" if n else name, m) for (parent, attr), name in zip(layers[layer], names[layer])
+                      for n, m in slot_module(parent, attr).named_modules() if isinstance(m, kind)]
+        if candidates and kind is nn.Embedding:
+            found[max(candidates, key=lambda c: c[1].num_embeddings)[0]] = style
+        elif candidates:
+            found[candidates[-1][0]] = style
+
+
+def _stages(model: nn.Module, family: ModelFamily, layers: list[list[Slot]]) -> tuple[str, str]:
+    kind = type(model).__name__
+    if len(layers) < 3:
+        return "", f"{kind} has no list of repeated blocks to cut between"
+    if family.name == "nbtrain-gpt":
+        return "layers", ""
+    if family.name == "hf-gpt2":
+        return "hf-gpt2", ""
+    config = getattr(model, "config", None)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if getattr(config, "base_model_pp_plan", None) and hasattr(base, "rotary_emb") and \
+            family.blocks_path.endswith(".layers") and getattr(config, "is_decoder", True) is not False:
+        return "hf-rotary", ""
+    if config is not None:
+        return "", (f"nbtrain runs {kind}'s layers as pipeline stages only for decoders with a pipeline plan and "
+                    "rotary embeddings (Llama, Mistral, Qwen2, Phi-3) and GPT-2")
+    return "", (f"nbtrain does not cut {kind} into pipeline stages: its forward between the blocks is its own code, "
+                "which a stage cannot run alone")
+
+
+def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDescription:
+    """Describe ``model``; ``tp_plan`` (module-name patterns → styles, relative to ``model``) replaces the model's
+    own tensor-parallel plan."""
+    family = detect_family(model)
+    layers = layer_slots(model, family)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    names = [[module_names.get(id(slot_module(p, a)), "") for p, a in slots] for slots in layers]
+    plan = dict(tp_plan) if tp_plan is not None else _known_plan(model, family)
+    found = matched_plan(model, plan, strict=tp_plan is not None) if plan else {}
+    _vocabulary_split(model, layers, names, found)
+    split = []
+    for slots_names in names:
+        split.append([(n, style) for n, style in found.items()
+                      if any(n == name or n.startswith(name + ".") for name in slots_names if name)])
+    kind = type(model).__name__
+    why = ""
+    if len(layers) > 2 and not all(split[1:-1]):
+        source = "the plan given" if tp_plan is not None else \
+            f"{type(getattr(model, 'config', None)).__name__}.base_model_tp_plan" if hasattr(model, "config") else \
+            "nbtrain's tables"
+        why = (f"{source} splits none of {kind}'s blocks' modules" if plan else
+               f"{kind} has no tensor-parallel plan (transformers' config carries none, nbtrain knows none)") + \
+            "; give one (fit(..., tp_plan={'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}), or " \
+            "%%autoparallel --tp-plan NAME)"
+    elif len(layers) <= 2:
+        why = f"{kind} has no list of repeated blocks for tensor parallelism to split"
+    if family.name == "hf-gpt2" and getattr(model.config, "add_cross_attention", False):
+        why = "GPT-2 blocks with cross-attention have no tensor-parallel split in nbtrain yet"
+    stages, no_pipeline = _stages(model, family, layers)
+    return ModelDescription(model, family, layers, names, split, why, stages, no_pipeline, tied_slots(layers))
+
+
+def planner_facts(description: ModelDescription) -> dict:
+    """What the planner must know of the executor's reach on this model, kept in the profile's ``arch``:
+    ``no_tensor_parallel`` / ``no_pipeline`` (why not; empty: it can), ``cuts_stages``, ``splits_tied``, and
+    ``tp_unit``, a number every tensor-parallel degree must divide (the split features, the heads when they are
+    split; 0: no limit)."""
+    sizes = []
+    for layer, entries in enumerate(description.tensor_parallel):
+        for name, style in entries:
+            if style in ("colwise", "rowwise", "packed_colwise"):
+                sizes.append(split_dimension(description.module(name), style)[1])
+        if 0 < layer < len(description.layers) - 1 and description.splits_heads(layer):
+            sizes += [n for n in (description.family.n_head, description.family.n_kv_head) if n]
+    return {"no_tensor_parallel": description.no_tensor_parallel, "no_pipeline": description.no_pipeline,
+            "cuts_stages": bool(description.stages), "splits_tied": description.family.splits_tied,
+            "tp_unit": math.gcd(*sizes) if sizes else 0}
+
+
+def described(model: nn.Module) -> ModelDescription:
+    """The description ``parallelize`` made of ``model`` before it wrapped and sharded its layers (its block list may
+    no longer look repeated: some blocks checkpointed, some not), or a new one."""
+    return model.__dict__.get("_nbtrain_description") or describe(model)
+
+
+def check_tensor_parallel_plan(model: nn.Module, tp_plan: dict[str, str]) -> None:
+    """Refuse a user's plan that names no module or a style nbtrain does not run (one line, before any launch)."""
+    if not isinstance(tp_plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items()):
+        raise InvalidPlanError(f"tp_plan must be a dict of module-name patterns to styles, e.g. "
+                               f"{{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}}, got {tp_plan!r}")
+    matched_plan(model, tp_plan)

@@ -1,0 +1,128 @@
+"""Tensor-parallel plans: which module of a layer splits how, in Hugging Face's vocabulary, mapped onto torch's styles.
+
+A plan maps module-name patterns (``*`` for one name part, as in ``config.base_model_tp_plan``) to a style name:
+
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    >>> matched_plan(model, {"0": "colwise", "2": "rowwise"})
+    {'0': 'colwise', '2': 'rowwise'}
+    >>> style_for(model[0], "colwise")
+    ColwiseParallel(...)
+
+The styles (Megatron-LM's split of a transformer block, Shoeybi et al. 2019, §3: the first layer of a pair split
+by output features, the second by input features, one all-reduce per pair):
+
+==========================  ==========================================================================================
+``colwise``                 ``ColwiseParallel()``: output features split, each rank keeps its slice (whole heads)
+``rowwise``                 ``RowwiseParallel()``: input features split, the partial products summed
+``colwise_gather_output``   ``ColwiseParallel(output_layouts=Replicate())``: split, the output gathered (an LM head,
+                            or a fused projection whose output the model slices by position: Phi-3's ``qkv_proj``)
+``rowwise_split_input``     ``RowwiseParallel(input_layouts=Replicate())``: a whole input, split here
+``embedding_rowwise``       ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())`` on an
+                            ``nn.Embedding``: the vocabulary split, each rank looks up its rows, the parts summed
+``packed_colwise``          on a fused ``Conv1D`` (GPT-2's ``c_attn``, output = parts × input features): each
+                            part (q | k | v) split on its own
+==========================  ==========================================================================================
+
+``colwise`` and ``rowwise`` on a ``transformers`` ``Conv1D`` (GPT-2's linear layers, whose weight is the transpose
+of ``nn.Linear``'s) take nbtrain's own styles of the same split (:mod:`nbtrain.models.conv1d`). Any other style of
+Hugging Face's (``packed_rowwise``, ``local``, the mixture-of-experts ones) is refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from nbtrain.errors import InvalidPlanError
+
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+          "packed_colwise")
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile("".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", name)) + "$")
+
+
+def matched_plan(model: nn.Module, plan: dict[str, str], prefix: str = "", strict: bool = True) -> dict[str, str]:
+    """``{module name: style}`` for every module of ``model`` a pattern of ``plan`` names (patterns relative to the
+    submodule ``prefix``); a style nbtrain does not run is an error, and so (``strict``: a user's plan) is a pattern
+    that names no module. A model's own plan may name modules some of its configs do not build."""
+    found: dict[str, str] = {}
+    names = [name for name, _ in model.named_modules()]
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise InvalidPlanError(f"tensor-parallel style {style!r} (for {pattern!r}) is not one nbtrain runs; "
+                                   f"use one of {', '.join(STYLES)}")
+        full = f"{prefix}.{pattern}" if prefix else pattern
+        regex = _pattern(full)
+        hits = [name for name in names if regex.match(name)]
+        if not hits and strict:
+            raise InvalidPlanError(f"the tensor-parallel plan names {full!r}, but {type(model).__name__} has no "
+                                   f"module of that name (its modules are named like {_examples(names)})")
+        found.update((name, style) for name in hits)
+    return found
+
+
+def _examples(names: list[str]) -> str:
+    deep = [n for n in names if n.count(".") >= 2][:3] or names[1:4]
+    return ", ".join(repr(n) for n in deep)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A ``transformers`` ``Conv1D`` (GPT-2): ``weight`` of shape ``(in_features, out_features)``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def split_dimension(module: nn.Module, style: str) -> tuple[str, int]:
+    """``(what, size)``: the dimension ``style`` splits across ranks (tp must divide it), for the error message."""
+    if isinstance(module, nn.Embedding):
+        return "vocabulary rows", module.num_embeddings
+    if is_conv1d(module):
+        out_features, in_features = module.weight.shape[1], module.weight.shape[0]
+    else:
+        out_features, in_features = module.out_features, module.in_features
+    if style.startswith("colwise"):
+        return "output features", out_features
+    if style == "packed_colwise":
+        return "output features of each packed part", in_features
+    return "input features", in_features
+
+
+def style_for(module: nn.Module, style: str) -> ParallelStyle:
+    """The torch ``ParallelStyle`` that splits ``module`` as ``style`` says (the table in this module's docstring)."""
+    if is_conv1d(module):
+        from nbtrain.models.conv1d import Conv1DColwise, Conv1DRowwise
+
+        if style in ("colwise", "packed_colwise"):  # packed: out_features = parts × in_features (q | k | v)
+            return Conv1DColwise(packed=module.weight.shape[1] // module.weight.shape[0] if style != "colwise" else 1)
+        if style == "rowwise":
+            return Conv1DRowwise()
+    elif isinstance(module, nn.Embedding):
+        if style in ("embedding_rowwise", "rowwise"):
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    elif isinstance(module, nn.Linear):
+        styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+                  "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+                  "rowwise_split_input": RowwiseParallel(input_layouts=Replicate())}
+        if style in styles:
+            return styles[style]
+    raise InvalidPlanError(f"tensor-parallel style {style!r} does not apply to a {type(module).__name__}: colwise, "
+                           "rowwise, colwise_gather_output and rowwise_split_input split an nn.Linear (or GPT-2's "
+                           "Conv1D), embedding_rowwise an nn.Embedding")
+
+
+def check_style(name: str, module: nn.Module, style: str, tp: int) -> str:
+    """Why ``module`` (named ``name``) cannot be split ``tp`` ways by ``style`` (empty: it can)."""
+    try:
+        style_for(module, style)
+    except InvalidPlanError as error:
+        return f"{name}: {error}"
+    what, size = split_dimension(module, style)
+    if style in ("colwise", "rowwise", "packed_colwise") and size % tp:  # the others gather: uneven parts are fine
+        return f"{name} ({style}) has {size} {what}, which do not split into {tp} equal parts; use a tp that " \
+               f"divides {size}"
+    return ""
