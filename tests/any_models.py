@@ -230,3 +230,29 @@ def t5_inputs(batch: int, seq: int, device):
 MLM_DATA = mlm_batches()
 IMAGE_DATA = image_batches()
 T5_DATA = t5_batches()
+
+
+class TwoLayerRegressor(nn.Module):
+    """Plain torch with no list of repeated blocks: profiled as one layer, trained as one unit."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def one_layer():
+    torch.manual_seed(0)
+    return TwoLayerRegressor()
+
+
+def feature_batches(steps: int = 2, batch: int = 4, width: int = 16, seed: int = 0) -> list:
+    """Regression global batches ``(features, targets)`` for :class:`TwoLayerRegressor`."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)) for _ in range(steps)]
+
+
+def regression_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, targets)

@@ -295,8 +295,12 @@ def cuts_stages(profile: ModelProfile) -> bool:
 
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
     """The options as the search applies them: one stage for a model the executor does not cut into stages, or
-    whose tied embedding and head it keeps whole."""
-    return replace(options, pp_degrees=(1,)) if keeps_tie_whole(profile) or not cuts_stages(profile) else options
+    whose tied embedding and head it keeps whole; no offload where the executor does not offload the model."""
+    if keeps_tie_whole(profile) or not cuts_stages(profile):
+        options = replace(options, pp_degrees=(1,))
+    if profile.arch.get("no_offload"):
+        options = replace(options, offload_levels=(0.0,))
+    return options
 
 
 def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float) -> list[_Solver]:
@@ -412,6 +416,8 @@ def executor_problem(profile: ModelProfile, plan: Plan) -> str:
         return (f"1F1B needs at least as many micro-batches as stages (mb={plan.microbatches} < pp={plan.pp}); "
                 f"use mb={plan.pp} or more, or schedule=gpipe")
     offloaded = any(s.offload for s in plan.layers)
+    if offloaded and profile.arch.get("no_offload"):
+        return profile.arch["no_offload"]
     if offloaded and (plan.pp > 1 or any(s.tp > 1 for s in plan.layers)):
         return "the executor runs the CPU update offload with data parallelism in one stage, not with tp or pp"
     return ""

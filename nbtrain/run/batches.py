@@ -11,10 +11,12 @@
     ...
     nbtrain.errors.InvalidArgumentError: batch of step 3: ids have dtype torch.float32; token ids must be an integer tensor (torch.long) of shape (global_batch, seq_len) = (8, 64); convert them with ids.long()
 
-A batch is a pair ``(ids, targets)``: ``ids`` token ids of shape ``(global_batch, seq_len)``; ``targets`` the
-next-token loss's class indices, the same shape (``-100`` where the loss ignores a position), or, for a
-``loss_fn`` of the user's own (``lm_targets=False``), any tensor with one row per sequence: the plan splits both by
-rows. Unchecked, a float id or an id past the vocabulary fails inside a worker's embedding, with a torch traceback
+A batch is a pair ``(inputs, targets)``. For a language model, ``inputs`` are token ids of shape
+``(global_batch, seq_len)`` and ``targets`` the next-token loss's class indices, the same shape (``-100`` where the
+loss ignores a position). With a ``loss_fn`` of the user's own (``lm_targets=False``), ``inputs`` may be any tensor,
+a tuple of tensors (``model(*inputs)``) or a dict of them (``model(**inputs)``: a masked-LM batch with
+``input_ids``, ``attention_mask``, ``labels``), and ``targets`` a tensor, a tuple or dict of them, or ``None``;
+every tensor has one row per sample: the plan splits them all by rows. Unchecked, a float id or an id past the vocabulary fails inside a worker's embedding, with a torch traceback
 from every rank; so batches are checked where they enter a run, before a worker sees them (``%%autoparallel
 --launch --data NAME`` checks the first one before it scales the plan to it).
 
@@ -58,8 +60,100 @@ def _dims(t: Tensor) -> str:
     return str(tuple(t.shape)).replace(",)", ")")
 
 
+def tensors(tree) -> list[Tensor]:
+    """The tensors of a batch's inputs or targets: a tensor, a tuple or list of them, or a dict of them."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in tensors(value)]
+    if isinstance(tree, (tuple, list)):
+        return [t for value in tree for t in tensors(value)]
+    return []
+
+
+def map_rows(fn, tree):
+    """``tree`` with ``fn`` applied to each tensor (``fn(t)`` takes rows of ``t``); anything else kept as it is."""
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: map_rows(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_rows(fn, v) for v in tree)
+    return tree
+
+
+def chunk_rows(tree, parts: int) -> list:
+    """``tree`` cut into ``parts`` trees of equal rows (the rows of every tensor split alike)."""
+    return [map_rows(lambda t, i=i: t.chunk(parts)[i], tree) for i in range(parts)]
+
+
+def cat_rows(trees: list):
+    """The trees stacked by rows, back into one (the inverse of :func:`chunk_rows`)."""
+    first = trees[0]
+    if isinstance(first, Tensor):
+        return torch.cat(trees)
+    if isinstance(first, dict):
+        return {k: cat_rows([t[k] for t in trees]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(cat_rows(list(parts)) for parts in zip(*trees))
+    return first
+
+
+def is_token_ids(inputs) -> bool:
+    """Whether a batch's inputs are token ids (one integer tensor), which the checks below know the shape of."""
+    return isinstance(inputs, Tensor) and inputs.dtype in TOKEN_DTYPES
+
+
+def batch_shape(inputs) -> tuple[int, int]:
+    """``(rows, length)`` of a batch's inputs: the rows every tensor has, and the tokens per row of the first
+    integer tensor with a second dimension (``input_ids``), or 1 for inputs without tokens (images, features)."""
+    leaves = tensors(inputs)
+    length = next((t.shape[1] for t in leaves if t.dtype in TOKEN_DTYPES and t.dim() >= 2), 1)
+    return leaves[0].shape[0], length
+
+
+def _check_structured(batch, where: str, global_batch: int | None, lm_targets: bool):
+    """A batch whose inputs are not token ids: tensors (alone, in a tuple, or in a dict) with one row per sample."""
+    inputs, targets = batch
+    if lm_targets:
+        raise InvalidArgumentError(f"{where}: the inputs are {_kind(inputs)}, not token ids, so the next-token loss "
+                                   "cannot take them; give a loss_fn(output, targets) of your own (--loss NAME)")
+    leaves = tensors(inputs)
+    if not leaves or (not isinstance(inputs, Tensor) and len(leaves) != _count(inputs)):
+        raise InvalidArgumentError(f"{where}: inputs are {_kind(inputs)}; give a tensor, a tuple of tensors or a dict "
+                                   "of tensors (the model is called as model(x), model(*x) or model(**x))")
+    if targets is not None and (not tensors(targets) or len(tensors(targets)) != _count(targets)):
+        raise InvalidArgumentError(f"{where}: targets are {_kind(targets)}; give a tensor, a tuple or dict of "
+                                   "tensors, or None (a loss that reads the model's output alone)")
+    rows = {t.shape[0] if t.dim() else None for t in leaves + tensors(targets)}
+    if len(rows) != 1 or None in rows:
+        raise InvalidArgumentError(f"{where}: the batch's tensors have {sorted(rows, key=str)} rows; every tensor of "
+                                   "the inputs and targets needs one row per sample (the plan splits them by rows)")
+    (n,) = rows
+    if global_batch is not None and n != global_batch:
+        raise InvalidArgumentError(f"{where}: the inputs have {n} rows but the plan's global batch is "
+                                   f"{global_batch}; give every step {global_batch} samples, or plan for {n}")
+    return inputs, targets
+
+
+def _count(tree) -> int:
+    if isinstance(tree, dict):
+        return sum(_count(v) for v in tree.values())
+    if isinstance(tree, (tuple, list)):
+        return sum(_count(v) for v in tree)
+    return 1
+
+
+def _kind(tree) -> str:
+    if isinstance(tree, Tensor):
+        return f"a {tree.dtype} tensor of shape {_dims(tree)}"
+    if isinstance(tree, dict):
+        return f"a dict of {', '.join(f'{k}: {type(v).__name__}' for k, v in tree.items())}"
+    return f"a {type(tree).__name__}"
+
+
 def check_batch(batch, *, step: int, global_batch: int | None, seq_len: int | None, vocab_size: int | None,
-                lm_targets: bool = True) -> tuple[Tensor, Tensor]:
+                lm_targets: bool = True) -> tuple:
     """``batch`` as ``(ids, targets)``, or an :class:`InvalidArgumentError` naming the step, what is wrong and what
     to do. ``global_batch``, ``seq_len`` and ``vocab_size``, when not None, are the rows and columns every batch
     must have and the ids' bound. ``lm_targets``: the targets are the next-token loss's (same shape as ``ids``,
@@ -71,6 +165,9 @@ def check_batch(batch, *, step: int, global_batch: int | None, seq_len: int | No
         what = f"has {len(batch)} items" if isinstance(batch, (tuple, list)) else f"is a {type(batch).__name__}"
         raise InvalidArgumentError(f"{where} {what}; a batch is a pair (ids, targets) of tensors of shape {shape}")
     ids, targets = batch
+    if not lm_targets and not (is_token_ids(ids) and isinstance(targets, Tensor)) or \
+            not isinstance(ids, Tensor) and tensors(ids):
+        return _check_structured(batch, where, global_batch, lm_targets)
     for name, value in (("ids", ids), ("targets", targets)):
         if not isinstance(value, Tensor):
             raise InvalidArgumentError(f"{where}: {name} is a {type(value).__name__}, not a torch.Tensor; a batch "

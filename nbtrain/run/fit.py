@@ -35,7 +35,7 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.batches import check_batch, model_vocab_size
+from nbtrain.run.batches import batch_shape, cat_rows, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.checkpoint import Checkpoint, folder_for_run, with_resume_hint
 from nbtrain.run.trainer import StepRecord, check_on_nonfinite
 from nbtrain.table import Table
@@ -146,6 +146,18 @@ class _ListedBatches:
         return self.items[step % len(self.items)]
 
 
+class _AccumulatedBatches:
+    """``accumulate`` batches of the source per step, stacked by rows: the step's gradient is their mean, as
+    ``accumulate`` × the plan's micro-batches, each as large as before (gradient accumulation)."""
+
+    def __init__(self, get_batch: Callable[[int], tuple], accumulate: int):
+        self.get_batch, self.accumulate = get_batch, accumulate
+
+    def __call__(self, step: int) -> tuple:
+        batches = [self.get_batch(step * self.accumulate + j) for j in range(self.accumulate)]
+        return cat_rows([b[0] for b in batches]), cat_rows([b[1] for b in batches])
+
+
 @dataclass(frozen=True)
 class _Run:
     """What every worker needs to know besides the model, plan and data."""
@@ -168,6 +180,10 @@ class _Run:
     """Every rank returns rank 0's result (under torchrun each rank is a caller of ``fit``)."""
     adamw: tuple = ((0.9, 0.999), 1e-8, 0.01, True)
     """AdamW's ``(betas, eps, weight_decay, decay_norms_and_biases)``."""
+    tp_plan: dict | None = None
+    """The user's tensor-parallel plan (None: the model's own)."""
+    optimizer: Callable | None = None
+    """The user's optimizer factory, called on this rank's parameter groups (None: fused AdamW)."""
 
 
 def _worker(model, plan: Plan, get_batch, run: _Run):
@@ -184,13 +200,15 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
-    model = parallelize(model, plan, meshes)
+    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan)
     if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
         from nbtrain.run.offload import OffloadedAdamW
 
         betas, eps, decay, _ = run.adamw
         optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
                                               weight_decay=decay)
+    elif run.optimizer is not None:
+        optimizer = run.optimizer(_by_mesh(model))
     else:
         # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
         # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
@@ -280,7 +298,7 @@ def _progress(steps: int, done: int = 0):
 
 
 def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, global_batch: int,
-             seq_len: int) -> Plan:
+             seq_len: int, tp_plan: dict[str, str] | None = None) -> Plan:
     """``plan`` (a Plan or its compact form) for ``model`` on ``num_processes`` processes (None: the plan's), with
     the batch's rows and length where it gives none, checked against the model: a plan the model cannot take is one
     clear error here, not a failure in the workers."""
@@ -296,7 +314,7 @@ def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, g
                                f"asked for; launch {plan.num_devices}, or write the plan for {num_processes}")
     if plan.global_batch is None:
         plan = plan.replace(global_batch=global_batch, seq_len=seq_len)
-    check_plan(model, plan)
+    check_plan(model, plan, tp_plan=tp_plan)
     return plan
 
 
@@ -317,7 +335,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
         save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop", checkpoint_dir=None,
         checkpoint_every: int | None = None, resume: bool = False, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True) -> FitResult:
+        eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True,
+        accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -339,19 +358,41 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     The optimizer is AdamW (``betas``, ``eps``, ``weight_decay``: torch's defaults), fused; with CPU update offload
     the same update, run by :class:`~nbtrain.run.offload.OffloadedAdamW`. ``decay_norms_and_biases=False`` exempts
     the 1-D parameters (norm weights, biases) from weight decay, as GPT-2's and LLaMA's recipes do (not with
-    offload, whose update takes one weight decay per layer)."""
+    offload, whose update takes one weight decay per layer). ``optimizer`` replaces it with the user's own: a
+    factory called in every process on that process's parameter groups (``lambda groups: torch.optim.SGD(groups,
+    lr=0.1)``; one group per kind of tensor, so a fused kernel takes each); not with CPU update offload, whose
+    update stays AdamW. ``accumulate=k`` makes each step take ``k`` batches and average their gradients (gradient
+    accumulation: the plan's micro-batches × k, each the size it was). ``tp_plan`` (module-name patterns to
+    styles, ``{"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}``, :mod:`nbtrain.models.tensor_parallel`)
+    splits a model that carries no tensor-parallel plan of its own."""
+    from nbtrain.models.description import check_tensor_parallel_plan
     from nbtrain.run.launch import launch, launched_externally, runs_in_this_process
 
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
     check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
     adamw = _check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise InvalidArgumentError(f"accumulate must be a positive integer (batches per step), got {accumulate!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise InvalidArgumentError(f"optimizer must be a factory called on the parameters, e.g. lambda groups: "
+                                   f"torch.optim.SGD(groups, lr=0.1), got {type(optimizer).__name__}")
+    if tp_plan is not None:
+        check_tensor_parallel_plan(model, tp_plan)
     get_batch = _batch_source(data, steps)
     lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
     ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
                          lm_targets=lm_targets)
-    plan = plan_for(model, plan, num_processes, global_batch=ids.shape[0], seq_len=ids.shape[1])
+    rows, length = batch_shape(ids)
+    plan = plan_for(model, plan, num_processes, global_batch=rows, seq_len=length, tp_plan=tp_plan)
+    if plan.pp > 1 and not is_token_ids(ids) and not isinstance(ids, torch.Tensor):
+        raise InvalidArgumentError(f"a pipeline (pp={plan.pp}) passes one tensor from stage to stage, but the batches' "
+                                   f"inputs are a {type(ids).__name__}; give the inputs as one tensor, or plan "
+                                   "with pp=1")
     num_processes = num_processes or plan.num_devices
+    if optimizer is not None and any(s.offload > 0 for s in plan.layers):
+        raise InvalidArgumentError("optimizer= with CPU update offload: the offloaded update stays AdamW (it runs "
+                                   "during backward, on the CPU); use betas/eps/weight_decay, or plan without offload")
     if not decay_norms_and_biases and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("decay_norms_and_biases=False with CPU update offload: the offloaded AdamW takes one "
                                    "weight decay per layer; keep decay_norms_and_biases=True, or plan without offload")
@@ -364,6 +405,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
             check_batch(get_batch(step), step=step, **shape)
     else:
         get_batch = _CheckedBatches(get_batch, shape)
+    if accumulate > 1:
+        get_batch = _AccumulatedBatches(get_batch, accumulate)
+        plan = plan.replace(global_batch=plan.global_batch * accumulate, microbatches=plan.microbatches * accumulate)
     predicted = predicted_memory = None
     if cluster is not None:
         import nbtrain
@@ -371,14 +415,14 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         if cluster.num_devices != num_processes and cluster.num_nodes == 1:
             # Cluster.detect() counts every core (or GPU) of this machine; the run uses num_processes of them
             cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
-        prof = nbtrain.profile(model, batch_size=1, seq_len=ids.shape[1], dtype="fp32")
+        prof = nbtrain.profile(model, batch_size=1, seq_len=length, dtype="fp32")
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
                None if folder is None else str(folder.path), checkpoint_every, start,
-               every_rank=launched_externally(), adamw=adamw)
+               every_rank=launched_externally(), adamw=adamw, tp_plan=tp_plan, optimizer=optimizer)
     here = runs_in_this_process(num_processes)
     # Forked workers each parallelize their own copy of the model. Run here, the worker would convert the caller's
     # model in place (FSDP2 swaps its class, TP its parameters for DTensors), which then cannot take the gathered

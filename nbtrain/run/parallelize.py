@@ -170,6 +170,9 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
                                "executor runs the CPU update offload with data parallelism (dp_replicate, dp_shard) "
                                "in one pipeline stage, not yet with tensor or pipeline parallelism; plan with "
                                "SearchOptions(offload_levels=(0.0,)) or remove 'offload=' from the plan")
+    if offloaded and d.no_offload:
+        raise InvalidPlanError(f"layer {offloaded[0]} asks for offload={plan.layers[offloaded[0]].offload:g}, but "
+                               f"{d.no_offload} (remove 'offload=' from the plan)")
     family = d.family
     for i, s in enumerate(plan.layers):
         if s.tp <= 1:
@@ -185,7 +188,7 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
                                    "(nbtrain.plan offers tensor parallelism only where it can split the layer)")
     if d.ties:
         first, last = plan.layers[0], plan.layers[-1]
-        if not family.splits_tied:
+        if not d.splits_tied:
             if first.tp > 1 or last.tp > 1:
                 raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the "
                                        "first and last layers, or a model that does not tie them")

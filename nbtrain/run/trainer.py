@@ -7,6 +7,9 @@
 A step trains exactly as one process on the whole global batch would: each data-parallel rank takes its rows,
 cuts them into the plan's micro-batches, and accumulates ``loss / microbatches`` (the gradient of the mean over
 its rows); FSDP2 averages the gradients over the data-parallel ranks, which makes the mean over the global batch.
+Where integer targets hold ``-100`` (positions the loss skips: masked-LM labels, padding), micro-batches count
+different numbers of targets, and a mean of their means is not the batch's mean: each micro-batch's loss is then
+weighted by its share of the batch's counted targets (:meth:`Trainer._share`), as one process averages them.
 Gradient clipping uses the norm over every parameter of the model, whatever mesh it is sharded on.
 """
 
@@ -25,9 +28,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from nbtrain.data import IGNORE
 from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
+from nbtrain.models.adapters import detect_family
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
+from nbtrain.profiler.trace import call_model
+from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
 from nbtrain.run.mesh import PlanMeshes, device_type
 
 
@@ -40,6 +47,7 @@ class StepRecord:
     """Mean loss over the whole global batch."""
     seconds: float
     tokens_per_s: float
+    """Tokens per second; samples per second for inputs that are not token ids (images, a dict of features)."""
     peak_memory_bytes: int
     """Peak allocated device memory (CUDA), or this process's peak resident memory on the CPU."""
     grad_norm: float | None = None
@@ -109,6 +117,19 @@ def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def counted_targets(targets) -> int | None:
+    """How many of ``targets`` a mean loss averages over: the entries that are not ``-100`` (``IGNORE``, which
+    ``F.cross_entropy`` and Hugging Face's losses skip: masked-LM labels, padding), for integer targets; None for
+    any other targets (a mean over a fixed count per row)."""
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dtype == torch.bool:
+        return None
+    return int((targets != IGNORE).sum())
+
+
+def _numel(targets) -> int:
+    return targets.numel() if isinstance(targets, torch.Tensor) else -1
+
+
 def _peak_memory() -> int:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
@@ -146,7 +167,10 @@ class Trainer:
         if plan.pp > 1:
             from nbtrain.run.pipeline import PipelineRunner
 
-            self.pipeline = PipelineRunner(model, plan, meshes, loss_fn)
+            self.pipeline = PipelineRunner(model, plan, meshes, self._pipeline_loss)
+        # what every training forward passes (use_cache=False: a Hugging Face model builds no KV cache in training)
+        self.forward_kwargs = detect_family(getattr(model, "module", model)).forward_kwargs
+        self._counted: int | None = None  # targets that count in this step's global batch (see counted_targets)
 
     @property
     def schedule_epoch(self) -> int:
@@ -180,12 +204,22 @@ class Trainer:
         rank = self.meshes.dp_rank(layer)
         return torch.cat([micro.chunk(s.dp)[rank] for micro in t.chunk(m)])
 
-    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> StepRecord:
-        """One optimizer step over a global batch; every rank passes the same global batch."""
+    def _local_batch(self, tree, layer: int):
+        """:meth:`_local_rows` of every tensor of a batch's inputs or targets (a tensor, tuple or dict)."""
+        return map_rows(lambda t: self._local_rows(t, layer), tree)
+
+    def step(self, ids, targets) -> StepRecord:
+        """One optimizer step over a global batch ``(inputs, targets)``; every rank passes the same global batch.
+        Inputs are token ids, or any tensor, tuple or dict of tensors (:mod:`nbtrain.run.batches`); targets any
+        of those, or None."""
         started = time.perf_counter()
-        tokens = ids.numel()
+        tokens = ids.numel() if is_token_ids(ids) else batch_shape(ids)[0]  # tokens, or samples
+        total_counted = counted_targets(targets)
+        # only where the counts differ between micro-batches: otherwise every share is 1/m, exactly as before
+        self._counted = total_counted if total_counted is not None and total_counted not in (0, _numel(targets)) \
+            else None
         first = self.plan.stage_ranges()[self.meshes.stage][0]
-        ids, targets = self._local_rows(ids, first), self._local_rows(targets, self.plan.num_layers - 1)
+        ids, targets = self._local_batch(ids, first), self._local_batch(targets, self.plan.num_layers - 1)
         if self.pipeline is not None:
             with self.autocast:
                 loss = self.pipeline.step(ids, targets)
@@ -225,13 +259,25 @@ class Trainer:
     def _gradient_sync(self, enabled: bool):
         return gradient_sync(self.model, enabled, self.optimizer if self.offloaded else None)
 
-    def _accumulate(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _share(self, targets) -> float:
+        """The weight of a micro-batch's mean loss in the step's: ``1 / m`` when every micro-batch counts as many
+        targets, and ``n · dp / N`` when they differ (``n`` of its targets count, ``N`` of the global batch's, ``dp``
+        slices): one process averages over the ``N`` targets of the whole batch, not over micro-batch means."""
+        if not self._counted:
+            return 1.0 / self.plan.microbatches
+        return counted_targets(targets) * self.plan.layers[-1].dp / self._counted
+
+    def _pipeline_loss(self, output, targets):
+        # the schedule divides each micro-batch's loss by m itself
+        return self.loss_fn(output, targets) * (self._share(targets) * self.plan.microbatches)
+
+    def _accumulate(self, ids, targets) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradients accumulated; returns the mean loss of the rows."""
         m = self.plan.microbatches
         total = torch.zeros(())
-        for i, (x, y) in enumerate(zip(ids.chunk(m), targets.chunk(m))):
+        for i, (x, y) in enumerate(zip(chunk_rows(ids, m), chunk_rows(targets, m))):
             with self._gradient_sync(i == m - 1), self.autocast:
-                loss = self.loss_fn(self.model(x), y) / m
+                loss = self.loss_fn(call_model(self.model, x, self.forward_kwargs), y) * self._share(y)
                 loss.backward()
             total += loss.detach()
         return total

@@ -190,11 +190,13 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t.detach().float().clone() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _random_source(model: nn.Module, ids: torch.Tensor) -> str | None:
+def _random_source(model: nn.Module, ids) -> str | None:
     """None when two forward passes of ``ids`` in training mode under different seeds give the same outputs; else
     where they part: the first module (in the order calls end) given the same inputs that returned different
     outputs. On a copy, with the global RNG state restored: buffers a forward updates, the reference's RNG, stay as
     they were."""
+    from nbtrain.profiler.trace import call_model
+
     probe = copy.deepcopy(model).train()
     names = {id(m): name for name, m in probe.named_modules()}
     runs = []
@@ -209,7 +211,7 @@ def _random_source(model: nn.Module, ids: torch.Tensor) -> str | None:
             for seed in (1, 2):
                 torch.manual_seed(seed)
                 runs.append([])
-                probe(ids)
+                call_model(probe, ids, {})
     finally:
         for handle in handles:
             handle.remove()
@@ -222,7 +224,7 @@ def _random_source(model: nn.Module, ids: torch.Tensor) -> str | None:
     return "the model"
 
 
-def _without_randomness(model: nn.Module, ids: torch.Tensor, name: str) -> list[str]:
+def _without_randomness(model: nn.Module, ids, name: str) -> list[str]:
     """Turn off dropout in ``model`` (a copy); raise if it still draws random numbers in training mode."""
     from nbtrain.errors import InvalidArgumentError
 
@@ -243,42 +245,69 @@ def _without_randomness(model: nn.Module, ids: torch.Tensor, name: str) -> list[
 
 
 def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int = 32,
-           lr: float = 1e-2, seed: int = 0, timeout: float = 600) -> VerifyReport:
+           lr: float = 1e-2, seed: int = 0, timeout: float = 600, data=None, loss_fn=None,
+           tp_plan: dict[str, str] | None = None) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
     ``processes`` processes, from the same initial weights and batches, with dropout off in both; compare.
+
+    Language models train on random token windows of ``batch`` × ``seq`` by default; ``data`` (a list of
+    ``(inputs, targets)`` batches, as :func:`~nbtrain.run.fit.fit` takes) and ``loss_fn(output, targets)`` verify any
+    other workload (a masked LM, an image classifier). ``tp_plan`` is the user's tensor-parallel plan.
     Raises :class:`~nbtrain.errors.InvalidArgumentError` for a model that still draws random numbers in training
     mode (a random op that is not dropout), and :class:`~nbtrain.errors.InvalidPlanError` for a plan the executor
     does not run on this model, both before anything trains."""
     from nbtrain.errors import InvalidArgumentError
-    from nbtrain.run.batches import model_vocab_size
+    from nbtrain.models.adapters import detect_family
+    from nbtrain.profiler.trace import call_model
+    from nbtrain.run.batches import batch_shape, check_batch, model_vocab_size
     from nbtrain.run.fit import fit, plan_for
 
     source = _build(model, seed)  # built once; a module-level instance is never trained nor changed
     vocab = model_vocab_size(source)
-    if not vocab:
-        raise InvalidArgumentError(f"{model} gives {type(source).__name__}, which takes no token ids; "
-                                   "verify trains language models (nbtrain's GPT, Hugging Face GPT-2 and Llama)")
+    if data is None and not vocab:
+        raise InvalidArgumentError(f"{model} gives {type(source).__name__}, which takes no token ids; give its "
+                                   "batches and loss: verify(..., data=batches, loss_fn=loss) or nbtrain verify "
+                                   "--data module:attr --loss module:attr")
+    if data is not None and loss_fn is None and not vocab:
+        raise InvalidArgumentError("data given without loss_fn: give the loss that takes the model's output and the "
+                                   "batches' targets (--loss module:attr)")
+    loss_fn = loss_fn or lm_loss
     reference_model = copy.deepcopy(source).float().train()
-    data = _batches(vocab, batch, seq)
-    checked = plan_for(reference_model, plan, processes, global_batch=batch, seq_len=seq)  # before training
-    turned_off = _without_randomness(reference_model, data[0][0][:2], model)
+    data = list(data) if data is not None else _batches(vocab, batch, seq)
+    if not data:
+        raise InvalidArgumentError("data holds no batches")
+    inputs, _ = check_batch(data[0], step=0, global_batch=None, seq_len=None, vocab_size=vocab,
+                            lm_targets=loss_fn is lm_loss)
+    rows, length = batch_shape(inputs)
+    checked = plan_for(reference_model, plan, processes, global_batch=rows, seq_len=length,
+                       tp_plan=tp_plan)  # before training
+    turned_off = _without_randomness(reference_model, _first_rows(inputs), model)
     parallel_model = copy.deepcopy(reference_model)  # the same initial weights, dropout off, train mode
     initial = {k: v.clone() for k, v in reference_model.state_dict().items()}
     optimizer = torch.optim.AdamW(reference_model.parameters(), lr=lr)
+    forward_kwargs = detect_family(reference_model).forward_kwargs  # as the Trainer calls it
     reference = []
     for step in range(steps):
-        ids, targets = data[step % len(data)]
-        loss = lm_loss(reference_model(ids), targets)
+        x, targets = data[step % len(data)]
+        loss = loss_fn(call_model(reference_model, x, forward_kwargs), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reference_model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         reference.append(loss.item())
     result = fit(parallel_model, data, plan=checked, steps=steps, num_processes=processes, lr=lr, clip_norm=1.0,
-                 seed=seed, progress=False, timeout=timeout)  # a hung worker fails the check, not the caller
+                 seed=seed, progress=False, timeout=timeout, loss_fn=loss_fn,
+                 tp_plan=tp_plan)  # a hung worker fails the check, not the caller
     ref_state, got_state = reference_model.state_dict(), parallel_model.state_dict()
     keys = [k for k, v in ref_state.items() if v.is_floating_point()]
     apart = sum(float((got_state[k] - ref_state[k]).double().square().sum()) for k in keys) ** 0.5
     moved = sum(float((ref_state[k] - initial[k]).double().square().sum()) for k in keys) ** 0.5
     return VerifyReport(str(result.plan), processes, reference, result.losses, apart / max(moved, 1e-30),
                         turned_off)
+
+
+def _first_rows(inputs):
+    """Two rows of a batch's inputs, for the randomness probe."""
+    from nbtrain.run.batches import map_rows
+
+    return map_rows(lambda t: t[:2], inputs)
