@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", nargs="?", const=True, default=False, metavar="DEVICE",
                    help="also time each layer for real (on DEVICE, default cuda if present else cpu)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--inputs", default=None, metavar="MODULE:ATTR",
+                   help="inputs(batch, seq, device) -> (args, targets), for a model that takes no token ids")
+    p.add_argument("--loss", default=None, metavar="MODULE:ATTR", help="loss_fn(output, targets) for --inputs")
     p.set_defaults(run=_profile)
 
     q = sub.add_parser("plan", help="the fastest hybrid-parallel plan that fits, or the prediction for a typed one",
@@ -89,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps (default 5)")
     v.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
     v.add_argument("--seq", type=_positive_int, default=32, help="tokens per sequence (default 32)")
+    v.add_argument("--data", default=None, metavar="MODULE:ATTR",
+                   help="a list of (inputs, targets) batches to train on instead of random token windows")
+    v.add_argument("--loss", default=None, metavar="MODULE:ATTR", help="loss_fn(output, targets) for --data")
+    v.add_argument("--tp-plan", default=None, metavar="MODULE:ATTR",
+                   help="a tensor-parallel plan ({'blocks.*.fc1': 'colwise', ...}) for a model that carries none")
     v.set_defaults(run=_verify)
 
     d = sub.add_parser("demo", help="profile and plan GPT-2 for a cluster, then train a small GPT here under a plan",
@@ -150,7 +158,11 @@ def _parser() -> argparse.ArgumentParser:
 def _profile(args) -> None:
     from nbtrain.profiler.model import profile
 
-    result = profile(args.model, batch_size=args.batch, seq_len=args.seq, dtype=args.dtype, measure=args.measure)
+    from nbtrain.models.resolve import load_reference
+
+    inputs, loss = (load_reference(ref) if ref else None for ref in (args.inputs, args.loss))
+    result = profile(args.model, batch_size=args.batch, seq_len=args.seq, dtype=args.dtype, measure=args.measure,
+                     inputs=inputs, loss_fn=loss)
     print(result.to_json() if args.json else result)
 
 
@@ -217,8 +229,12 @@ def _run_script(args) -> None:
 def _verify(args) -> int:
     from nbtrain.run.verify import verify
 
+    from nbtrain.models.resolve import load_reference
+
+    named = {flag: load_reference(getattr(args, flag)) if getattr(args, flag) else None
+             for flag in ("data", "loss", "tp_plan")}
     report = verify(args.model, args.strategy, processes=args.processes, steps=args.steps, batch=args.batch,
-                    seq=args.seq)
+                    seq=args.seq, data=named["data"], loss_fn=named["loss"], tp_plan=named["tp_plan"])
     print(report)
     return 0 if report.ok else 1
 

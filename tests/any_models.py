@@ -145,10 +145,10 @@ def _masked(ids: torch.Tensor, generator: torch.Generator | None = None) -> tupl
     return torch.where(chosen, MASK_ID, ids), torch.where(chosen, ids, -100)
 
 
-def lm_batches(steps: int = 3, batch: int = 4, seq: int = 16, seed: int = 0) -> list:
-    """Next-token global batches ``(ids, targets)`` for the causal LMs (Mistral, Phi-3)."""
+def lm_batches(steps: int = 3, batch: int = 4, seq: int = 16, seed: int = 0, vocab: int = VOCAB) -> list:
+    """Next-token global batches ``(ids, targets)`` for the causal LMs (Mistral, Phi-3; ``vocab=64``: PlainLM)."""
     g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, VOCAB, (batch, seq + 1), generator=g) for _ in range(steps)]
+    ids = [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
     return [(row[:, :-1], row[:, 1:]) for row in ids]
 
 

@@ -496,6 +496,14 @@ loss_fn = lm_loss
 window = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
 local_ids, local_targets = window[:, :-1], window[:, 1:]   # one data-parallel slice: all of it at dp=1
 '''),
+    "nbtrain.models.conv1d": Workers(2, '''\
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from transformers import GPT2Config
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+block = GPT2Block(GPT2Config(n_embd=32, n_head=4))       # a GPT-2 block of its default config, narrower
+tp_mesh = init_device_mesh("cpu", (2,))
+'''),
     "nbtrain.run.trainer": Workers(2, WORKER_MODEL + BATCHES),
     "nbtrain.run.weights": Workers(2, WORKER_TRAINED, here_from=2,
                                    here_setup='fresh_model = nbtrain.build_preset("gpt-tiny", device="cpu")\n'),

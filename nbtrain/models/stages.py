@@ -1,6 +1,9 @@
 """A model's layers as pipeline stages run them: each takes one tensor (token ids, or the hidden state) and returns one.
 
-    >>> layers = stage_layers(describe(model), start, end)      # inside a launched worker, after parallelize
+    >>> from nbtrain.models.description import describe
+    >>> from tests.any_models import qwen2
+    >>> [type(layer).__name__ for layer in stage_layers(describe(qwen2()), 0, 3)]     # a first stage's layers
+    ['Embedding', 'RotaryBlock', 'RotaryBlock']
 
 nbtrain's GPT is written so (``stages == "layers"``). A Hugging Face model's forward does more between its blocks
 than calling them: GPT-2 sums token and position embeddings, a Llama-like decoder computes the RoPE tables once and
