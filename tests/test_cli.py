@@ -73,7 +73,8 @@ def test_user_errors_print_one_line_and_exit_2(capsys, args, message):
     (["profile", "gpt2", "--batch", "0"], "--batch: must be a positive integer, got 0"),
     (["profile", "gpt2", "--seq", "-5"], "--seq: must be a positive integer, got -5"),
     (["profile", "gpt2", "--batch", "many"], "--batch: 'many' is not an integer"),
-    (["profile", "gpt2", "--dtype", "int8"], "invalid choice: 'int8'"),
+    (["profile", "gpt2", "--seq", "x"], "argument --seq: 'x' is not an integer"),
+    (["profile", "gpt2", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
 ])
 def test_malformed_arguments_exit_2_with_the_usage_line(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -115,17 +115,6 @@ def test_profile_measure_on_the_cpu_times_each_layer(capsys):
     assert prof["measured_on"] == "cpu"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["profile", "gpt-tiny", "--batch", "0"], "argument --batch: must be a positive integer, got 0"),
-    (["profile", "gpt-tiny", "--seq", "x"], "argument --seq: 'x' is not an integer"),
-    (["profile", "gpt-tiny", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-])
-def test_profile_arguments_argparse_cannot_read_exit_2_with_the_usage(capsys, argv, message):
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    assert stop.value.code == 2 and message in capsys.readouterr().err
-
-
 def test_profile_measure_on_an_unknown_device_is_one_line(capsys):
     assert "cannot measure on 'tpu': name a torch device" in error_line(capsys, "profile", "gpt-tiny", "--measure",
                                                                          "tpu")

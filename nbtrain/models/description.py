@@ -173,15 +173,15 @@ class ModelDescription:
         return ""
 
 
-def _hf_plan(model: nn.Module) -> tuple[dict[str, str], str]:
-    """The model's own tensor-parallel plan, with names relative to ``model``, and where it came from."""
+def _hf_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own tensor-parallel plan, with names relative to ``model``."""
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     prefix = prefix if prefix and hasattr(model, prefix) and isinstance(getattr(model, prefix), nn.Module) else ""
     plan = {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
     plan.update(getattr(model, "_tp_plan", None) or {})
-    return plan, f"{type(config).__name__}.base_model_tp_plan"
+    return plan
 
 
 def _known_plan(model: nn.Module, family: ModelFamily) -> dict[str, str]:
@@ -189,7 +189,12 @@ def _known_plan(model: nn.Module, family: ModelFamily) -> dict[str, str]:
         return dict(NBTRAIN_GPT_TP)
     if family.name == "hf-gpt2":
         return {f"transformer.{k}": v for k, v in GPT2_TP.items()} if hasattr(model, "transformer") else dict(GPT2_TP)
-    return _hf_plan(model)[0]
+    return _hf_plan(model)
+
+
+def _within(name: str, prefixes: list[str]) -> bool:
+    """Whether the module ``name`` is one of ``prefixes`` or inside one (``""``: a layer's module without a name)."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes if p)
 
 
 def _vocabulary_split(model: nn.Module, layers: list[list[Slot]], names: list[list[str]],
@@ -200,7 +205,7 @@ def _vocabulary_split(model: nn.Module, layers: list[list[Slot]], names: list[li
     if len(layers) < 2:
         return
     for layer, kind, style in ((0, nn.Embedding, "embedding_rowwise"), (-1, nn.Linear, "colwise_gather_output")):
-        if any(n == name or n.startswith(name + ".") for n in found for name in names[layer] if name):
+        if any(_within(n, names[layer]) for n in found):
             continue
         candidates = [(f"{name}.{n}" if n else name, m) for (parent, attr), name in zip(layers[layer], names[layer])
                       for n, m in slot_module(parent, attr).named_modules() if isinstance(m, kind)]
@@ -240,10 +245,7 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
     plan = dict(tp_plan) if tp_plan is not None else _known_plan(model, family)
     found = matched_plan(model, plan, strict=tp_plan is not None) if plan else {}
     _vocabulary_split(model, layers, names, found)
-    split = []
-    for slots_names in names:
-        split.append([(n, style) for n, style in found.items()
-                      if any(n == name or n.startswith(name + ".") for name in slots_names if name)])
+    split = [[(n, style) for n, style in found.items() if _within(n, layer_names)] for layer_names in names]
     kind = type(model).__name__
     why = ""
     if len(layers) > 2 and not all(split[1:-1]):
@@ -267,9 +269,8 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
                       "with gradient clipping; plan without offload")
     ties = tied_slots(layers)
     vocabulary = {n for n, style in split[0] + split[-1] if style in ("embedding_rowwise", "colwise_gather_output")}
-    module_name = {id(m): n for n, m in model.named_modules()}
     splits_tied = family.splits_tied or family.name.startswith("hf-") and bool(ties) and all(
-        module_name.get(id(a)) in vocabulary and module_name.get(id(b)) in vocabulary and a_name == b_name == "weight"
+        module_names.get(id(a)) in vocabulary and module_names.get(id(b)) in vocabulary and a_name == b_name == "weight"
         for (a, a_name), (b, b_name) in ties)
     return ModelDescription(model, family, layers, names, split, why, stages, no_pipeline, ties, no_offload,
                             splits_tied)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from nbtrain.data import IGNORE
 from nbtrain.errors import InvalidArgumentError
@@ -62,24 +63,12 @@ def _dims(t: Tensor) -> str:
 
 def tensors(tree) -> list[Tensor]:
     """The tensors of a batch's inputs or targets: a tensor, a tuple or list of them, or a dict of them."""
-    if isinstance(tree, Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for value in tree.values() for t in tensors(value)]
-    if isinstance(tree, (tuple, list)):
-        return [t for value in tree for t in tensors(value)]
-    return []
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
 
 
 def map_rows(fn, tree):
     """``tree`` with ``fn`` applied to each tensor (``fn(t)`` takes rows of ``t``); anything else kept as it is."""
-    if isinstance(tree, Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: map_rows(fn, v) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(map_rows(fn, v) for v in tree)
-    return tree
+    return tree_map(lambda t: fn(t) if isinstance(t, Tensor) else t, tree)
 
 
 def chunk_rows(tree, parts: int) -> list:
@@ -89,14 +78,7 @@ def chunk_rows(tree, parts: int) -> list:
 
 def cat_rows(trees: list):
     """The trees stacked by rows, back into one (the inverse of :func:`chunk_rows`)."""
-    first = trees[0]
-    if isinstance(first, Tensor):
-        return torch.cat(trees)
-    if isinstance(first, dict):
-        return {k: cat_rows([t[k] for t in trees]) for k in first}
-    if isinstance(first, (tuple, list)):
-        return type(first)(cat_rows(list(parts)) for parts in zip(*trees))
-    return first
+    return tree_map(lambda *parts: torch.cat(parts) if isinstance(parts[0], Tensor) else parts[0], *trees)
 
 
 def is_token_ids(inputs) -> bool:
@@ -119,10 +101,10 @@ def _check_structured(batch, where: str, global_batch: int | None, lm_targets: b
         raise InvalidArgumentError(f"{where}: the inputs are {_kind(inputs)}, not token ids, so the next-token loss "
                                    "cannot take them; give a loss_fn(output, targets) of your own (--loss NAME)")
     leaves = tensors(inputs)
-    if not leaves or (not isinstance(inputs, Tensor) and len(leaves) != _count(inputs)):
+    if not leaves or len(leaves) != len(tree_leaves(inputs)):
         raise InvalidArgumentError(f"{where}: inputs are {_kind(inputs)}; give a tensor, a tuple of tensors or a dict "
                                    "of tensors (the model is called as model(x), model(*x) or model(**x))")
-    if targets is not None and (not tensors(targets) or len(tensors(targets)) != _count(targets)):
+    if targets is not None and (not tensors(targets) or len(tensors(targets)) != len(tree_leaves(targets))):
         raise InvalidArgumentError(f"{where}: targets are {_kind(targets)}; give a tensor, a tuple or dict of "
                                    "tensors, or None (a loss that reads the model's output alone)")
     rows = {t.shape[0] if t.dim() else None for t in leaves + tensors(targets)}
@@ -134,14 +116,6 @@ def _check_structured(batch, where: str, global_batch: int | None, lm_targets: b
         raise InvalidArgumentError(f"{where}: the inputs have {n} rows but the plan's global batch is "
                                    f"{global_batch}; give every step {global_batch} samples, or plan for {n}")
     return inputs, targets
-
-
-def _count(tree) -> int:
-    if isinstance(tree, dict):
-        return sum(_count(v) for v in tree.values())
-    if isinstance(tree, (tuple, list)):
-        return sum(_count(v) for v in tree)
-    return 1
 
 
 def _kind(tree) -> str:

@@ -35,7 +35,7 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.batches import batch_shape, cat_rows, check_batch, is_token_ids, model_vocab_size
+from nbtrain.run.batches import batch_shape, cat_rows, check_batch, model_vocab_size
 from nbtrain.run.checkpoint import Checkpoint, folder_for_run, with_resume_hint
 from nbtrain.run.trainer import StepRecord, check_on_nonfinite
 from nbtrain.table import Table
@@ -385,7 +385,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
                          lm_targets=lm_targets)
     rows, length = batch_shape(ids)
     plan = plan_for(model, plan, num_processes, global_batch=rows, seq_len=length, tp_plan=tp_plan)
-    if plan.pp > 1 and not is_token_ids(ids) and not isinstance(ids, torch.Tensor):
+    if plan.pp > 1 and not isinstance(ids, torch.Tensor):
         raise InvalidArgumentError(f"a pipeline (pp={plan.pp}) passes one tensor from stage to stage, but the batches' "
                                    f"inputs are a {type(ids).__name__}; give the inputs as one tensor, or plan "
                                    "with pp=1")
