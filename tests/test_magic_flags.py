@@ -419,3 +419,29 @@ def test_checkpoint_then_resume_goes_on_from_the_saved_step(shell, tmp_path, cap
     _, resumed = _launch(shell, f"--steps 3 --resume {runs}")
     assert f"resuming from {runs}/step-00000002" in capsys.readouterr().out
     assert resumed.losses[:2] == pytest.approx(first.losses, rel=1e-6) and len(resumed.losses) == 3
+
+
+# --tp-plan: a user's tensor-parallel plan for a model whose config carries none --------------------------------------
+
+PLAIN_LM = ("from tests.any_models import plain_lm\nnet = plain_lm()\n"
+            "split = {'blocks.*.up': 'colwise', 'blocks.*.down': 'rowwise'}\nnowhere = {'blocks.*.fc9': 'colwise'}\n")
+
+
+def test_tp_plan_lets_the_planner_offer_tensor_parallelism_it_otherwise_says_it_cannot(shell):
+    without = cell(shell, "--gpus 8 --batch 8 --seq 16 -q -o p0", PLAIN_LM)
+    given = cell(shell, "--gpus 8 --batch 8 --seq 16 -q --tp-plan split -o p1", PLAIN_LM)
+    assert any("PlainLM has no tensor-parallel plan" in note for note in without.notes)
+    assert not any("tensor parallelism was not searched" in note for note in given.notes)
+
+
+@pytest.mark.slow
+def test_tp_plan_with_launch_trains_under_the_users_split(shell):
+    plan, result = _launch(shell, '--steps 1 --tp-plan split --strategy "tp=2"', PLAIN_LM)
+    assert all(s.tp == 2 for s in result.plan.layers) and len(result.losses) == 1
+
+
+def test_a_tp_plan_that_names_no_module_is_one_line(shell):
+    result = shell.run_cell(f"%%autoparallel --gpus 2 -q --tp-plan nowhere\n{PLAIN_LM}")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "the tensor-parallel plan names 'blocks.*.fc9', but PlainLM has no module of that name" in \
+        str(result.error_in_exec)

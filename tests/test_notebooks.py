@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"
 SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True},
-         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}}
+         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}, "06_your_own_model": {}}
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,19 @@ def test_quickstart_plans_gpt2_and_trains_a_gpt_and_a_transformers_gpt2_here(tmp
     assert everything.count("measured step time") == 2  # both launches: the GPT and transformers' GPT-2
     assert "the trained weights are in model" in everything and "the trained weights are in hf_model" in everything
     assert "tensor parallelism was not searched" not in everything  # GPT-2's fused q|k|v splits by heads now
+
+
+def test_your_own_model_trains_a_mistral_and_a_vit_on_its_own_data_and_loss(tmp_path):
+    nb = execute(NOTEBOOKS / "06_your_own_model.ipynb", tmp_path, smoke=True)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    mistral, vit = (next(text_of(c) for c in nb.cells if c.cell_type == "code" and f"{kind}Config(" in c.source)
+                    for kind in ("Mistral", "ViT"))
+    assert "mistral on 8 devices" in mistral and "tensor parallelism was not searched" not in mistral  # its TP plan
+    assert "ViTForImageClassification has no tensor-parallel plan" in vit  # and the table says why
+    assert "the trained weights are in mistral" in everything and "the trained weights are in vit" in everything
+    assert everything.count("measured step time") == 2  # both launched here, measured beside predicted
+    assert "tensors of the cell's Mistral hold trained weights" in everything
+    assert "tensors of the cell's ViT hold trained weights" in everything
 
 
 def test_hybrid_parallel_tutorial_runs_and_every_plan_verifies(tmp_path):

@@ -16,6 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
@@ -151,8 +152,9 @@ def _describe(value) -> str:
 def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int | None = None, gpu: str = "H100",
                memory: str | int | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
                strategy: str | None = None, offload: bool = False, top: int = 3,
-               loss_fn: Callable | None = None) -> PlannedCell:
-    """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags)."""
+               loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None) -> PlannedCell:
+    """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags). ``data``
+    (``--data``): for a model that takes no token ids, it is profiled on inputs shaped like the first batch."""
     import nbtrain
     from nbtrain.planner.recommend import baselines
     from nbtrain.planner.search import SearchOptions
@@ -160,7 +162,7 @@ def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int
     from nbtrain.units import parse_bytes
 
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
-    profile = _profile(model, name, seq, _dtype(dtype), loss_fn)
+    profile = _profile(model, name, seq, _dtype(dtype), loss_fn, _inputs_for(model, data), tp_plan)
     cluster = nbtrain.Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
     batch = batch or 4 * gpus
     # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
@@ -176,18 +178,35 @@ _PROFILES: dict = {}
 same shape) plans again without profiling again."""
 
 
-def _profile(model: nn.Module, name: str, seq: int | None, dtype: str, loss_fn):
+def _inputs_for(model: nn.Module, data):
+    """Profiler inputs like ``data``'s first batch when it is not token ids for a language model (None: the
+    profiler's own; a token model's batch of the wrong dtype is refused by the batch checks, with its own message)."""
+    from nbtrain.profiler.inputs import inputs_like
+    from nbtrain.run.batches import is_token_ids, model_vocab_size
+
+    if data is None or callable(data):
+        first = data(0) if callable(data) else None
+    else:
+        first = next(iter(data), None)
+    if first is None or not isinstance(first, (tuple, list)) or len(first) != 2 or is_token_ids(first[0]):
+        return None
+    if model_vocab_size(model) and isinstance(first[0], torch.Tensor):
+        return None
+    return inputs_like(first)
+
+
+def _profile(model: nn.Module, name: str, seq: int | None, dtype: str, loss_fn, inputs=None, tp_plan=None):
     import nbtrain
 
     key_loss = getattr(loss_fn, "__wrapped_loss__", loss_fn)  # one loss, however often a cell wraps it
-    structure = (type(model).__qualname__, name, seq, dtype, key_loss,
+    structure = (type(model).__qualname__, name, seq, dtype, key_loss, getattr(inputs, "key", None), repr(tp_plan),
                  tuple((k, tuple(p.shape), p.dtype) for k, p in model.named_parameters()),
                  tuple(type(m).__qualname__ for m in model.modules()))
     if structure not in _PROFILES:
         if len(_PROFILES) >= 8:
             _PROFILES.pop(next(iter(_PROFILES)))
         _PROFILES[structure] = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype=dtype, loss_fn=loss_fn,
-                                               name=name)
+                                               name=name, inputs=inputs, tp_plan=tp_plan)
     return _PROFILES[structure]
 
 
@@ -211,7 +230,8 @@ def vocab_size(model: nn.Module) -> int:
 
 def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
                lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
-               checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False):
+               checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
+               tp_plan: dict | None = None):
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
     are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
     ``checkpoint_dir``, ``checkpoint_every`` and ``resume`` are :func:`nbtrain.fit`'s."""
@@ -219,8 +239,8 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     from nbtrain.demo import stdlib_batches
     from nbtrain.planner.scale import scale_plan
     from nbtrain.profiler.model import lm_loss
-    from nbtrain.run.batches import check_batch, model_vocab_size
     from nbtrain.models.description import layer_slots
+    from nbtrain.run.batches import batch_shape, check_batch, model_vocab_size
 
     layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
@@ -230,10 +250,11 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
                                        "function step → batch")
         ids, _ = check_batch(first, step=0, global_batch=None, seq_len=None, vocab_size=model_vocab_size(model),
                              lm_targets=loss_fn is None)
+        rows, length = batch_shape(ids)
         try:
-            local = scale_plan(plan, processes, global_batch=ids.shape[0], seq_len=ids.shape[1])
+            local = scale_plan(plan, processes, global_batch=rows, seq_len=length)
         except InvalidPlanError as error:  # the data's rows are the global batch: say so
-            raise InvalidPlanError(f"--data: batches of {ids.shape[0]} rows do not split under the plan scaled to "
+            raise InvalidPlanError(f"--data: batches of {rows} rows do not split under the plan scaled to "
                                    f"{processes} processes: {error}") from None
     else:
         seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
@@ -243,4 +264,4 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     here = nbtrain.Cluster.detect(calibrate=False)
     return nbtrain.fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
-                       checkpoint_every=checkpoint_every, resume=resume)
+                       checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan)

@@ -38,6 +38,8 @@ class AutoparallelMagics(Magics):
     @argument("--data", metavar="NAME", help="a list of (inputs, targets) global batches, or a function step → "
                                              "batch, to train on with --launch (default: standard-library text)")
     @argument("--loss", metavar="NAME", help="a function loss(output, targets) (default: next-token cross-entropy)")
+    @argument("--tp-plan", metavar="NAME", help="a tensor-parallel plan, {'blocks.*.fc1': 'colwise', ...}, for a "
+                                                "model whose config carries none")
     @argument("--gpus", type=int, default=8, help="devices of the described cluster (default 8)")
     @argument("--gpus-per-node", type=int, default=None, help="devices per node (default: up to 8)")
     @argument("--gpu", default="H100", help="device type from the catalog: H100, A100-80GB, V100, L4, cpu, ... "
@@ -94,6 +96,7 @@ class AutoparallelMagics(Magics):
 
     def _run(self, args, cell: str):
         from nbtrain.notebook import flags
+        from nbtrain.models.description import check_tensor_parallel_plan
         from nbtrain.notebook.cell import check_data, check_loss, find_model, plan_model, snapshot, train_here
         from nbtrain.planner.report import comparison_table
 
@@ -113,11 +116,15 @@ class AutoparallelMagics(Magics):
                              "planned or trained")
         name, model = find_model(namespace, before, args.model)
         data, loss_fn = self._lookup(args.data, "--data"), self._lookup(args.loss, "--loss")
+        tp_plan = self._lookup(args.tp_plan, "--tp-plan")
         check_data(data, args.data)
         checked_loss = check_loss(loss_fn, args.loss)  # profiling reports an error inside it as the loss's
+        if tp_plan is not None:
+            check_tensor_parallel_plan(model, tp_plan)
         job = plan_model(model, name, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                          memory=memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                         strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=checked_loss)
+                         strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=checked_loss,
+                         data=data, tp_plan=tp_plan)
         plan = job.plan
         if args.output:
             namespace[args.output] = plan
@@ -144,7 +151,8 @@ class AutoparallelMagics(Magics):
             result = train_here(model, plan, processes=args.processes, steps=args.steps, data=data,
                                 loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout,
                                 checkpoint_dir=args.resume or args.checkpoint_dir,
-                                checkpoint_every=args.checkpoint_every, resume=args.resume is not None)
+                                checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
+                                tp_plan=tp_plan)
             _show(result.table())
             print(f"the trained weights are in {name}")
             if args.output:

@@ -35,7 +35,9 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.batches import batch_shape, cat_rows, check_batch, model_vocab_size
+from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
+from nbtrain.profiler.inputs import inputs_like
+from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.checkpoint import Checkpoint, folder_for_run, with_resume_hint
 from nbtrain.run.trainer import StepRecord, check_on_nonfinite
 from nbtrain.table import Table
@@ -115,47 +117,6 @@ class FitResult:
 
     def _repr_html_(self) -> str:
         return self.table()._repr_html_()
-
-
-class _CheckedBatches:
-    """A batch function whose every batch is checked (``check_batch``) before a step takes it."""
-
-    def __init__(self, get_batch: Callable[[int], tuple], shape: dict):
-        self.get_batch, self.shape = get_batch, shape
-
-    def __call__(self, step: int) -> tuple:
-        return check_batch(self.get_batch(step), step=step, **self.shape)
-
-
-def _batch_source(data, steps: int) -> Callable[[int], tuple]:
-    if callable(data):
-        return data
-    items = list(data) if not isinstance(data, (list, tuple)) else data
-    if not items:
-        raise InvalidArgumentError("no batches given: pass a list of (ids, targets) or a function step -> batch")
-    return _ListedBatches(items)
-
-
-class _ListedBatches:
-    """Batch ``step`` of a list, which the run goes through again and again."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __call__(self, step: int) -> tuple:
-        return self.items[step % len(self.items)]
-
-
-class _AccumulatedBatches:
-    """``accumulate`` batches of the source per step, stacked by rows: the step's gradient is their mean, as
-    ``accumulate`` × the plan's micro-batches, each as large as before (gradient accumulation)."""
-
-    def __init__(self, get_batch: Callable[[int], tuple], accumulate: int):
-        self.get_batch, self.accumulate = get_batch, accumulate
-
-    def __call__(self, step: int) -> tuple:
-        batches = [self.get_batch(step * self.accumulate + j) for j in range(self.accumulate)]
-        return cat_rows([b[0] for b in batches]), cat_rows([b[1] for b in batches])
 
 
 @dataclass(frozen=True)
@@ -379,7 +340,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
                                    f"torch.optim.SGD(groups, lr=0.1), got {type(optimizer).__name__}")
     if tp_plan is not None:
         check_tensor_parallel_plan(model, tp_plan)
-    get_batch = _batch_source(data, steps)
+    get_batch = batch_source(data)
     lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
     ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
                          lm_targets=lm_targets)
@@ -396,17 +357,12 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     if not decay_norms_and_biases and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("decay_norms_and_biases=False with CPU update offload: the offloaded AdamW takes one "
                                    "weight decay per layer; keep decay_norms_and_biases=True, or plan without offload")
-    # every batch with the plan's rows (a pipeline's stages also take the first batch's length), ids in the vocabulary:
-    # a list here, all of it; batches a function makes, in the workers as they come
+    # every batch with the plan's rows (a pipeline's stages also take the first batch's length), ids in the vocabulary
     shape = dict(global_batch=plan.global_batch, seq_len=plan.seq_len if plan.pp > 1 else None, vocab_size=vocab,
                  lm_targets=lm_targets)
-    if isinstance(get_batch, _ListedBatches):
-        for step in range(min(steps, len(get_batch.items))):
-            check_batch(get_batch(step), step=step, **shape)
-    else:
-        get_batch = _CheckedBatches(get_batch, shape)
+    get_batch = checked(get_batch, steps * accumulate, shape)
     if accumulate > 1:
-        get_batch = _AccumulatedBatches(get_batch, accumulate)
+        get_batch = AccumulatedBatches(get_batch, accumulate)
         plan = plan.replace(global_batch=plan.global_batch * accumulate, microbatches=plan.microbatches * accumulate)
     predicted = predicted_memory = None
     if cluster is not None:
@@ -415,7 +371,10 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         if cluster.num_devices != num_processes and cluster.num_nodes == 1:
             # Cluster.detect() counts every core (or GPU) of this machine; the run uses num_processes of them
             cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
-        prof = nbtrain.profile(model, batch_size=1, seq_len=length, dtype="fp32")
+        first = get_batch(0)  # a model without token ids is profiled on inputs shaped like its batches
+        inputs = None if is_token_ids(first[0]) else inputs_like(first)
+        prof = nbtrain.profile(model, batch_size=1, seq_len=length, dtype="fp32", inputs=inputs,
+                               loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
         prediction = nbtrain.estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)
