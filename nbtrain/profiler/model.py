@@ -179,6 +179,9 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     Without ``inputs``, a model with an ``nn.Embedding`` is fed token ids, and any other model float features as
     wide as its first ``nn.Linear``; when that is not what it takes, the error says to pass ``inputs``. Float
     inputs are cast to ``dtype`` (a bf16 conv refuses fp32 images); ids and masks keep theirs.
+    :func:`nbtrain.profiler.inputs.inputs_like` makes ``inputs`` shaped like a batch of real data. ``tp_plan``
+    (module-name patterns to styles) is the user's tensor-parallel plan, for a model whose config carries none: the
+    profile then tells the planner that its blocks split.
     """
     started = time.perf_counter()
     label, model = resolve_model(model, name)
