@@ -256,3 +256,35 @@ def feature_batches(steps: int = 2, batch: int = 4, width: int = 16, seed: int =
 
 def regression_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, targets)
+
+
+class GatedLM(PlainLM):
+    """Plain torch whose forward branches on a value of the data (``if`` on a tensor): it runs, but no trace of it
+    holds for other data, so it cannot be cut into traced pipeline stages."""
+
+    def forward(self, ids):
+        x = self.tokens(ids)
+        for block in self.blocks:
+            x = block(x) if x.mean() > 0 else x + block(x)
+        return self.head(x)
+
+
+def gated_lm():
+    torch.manual_seed(0)
+    return GatedLM()
+
+
+class LastToFirstLM(PlainLM):
+    """Plain torch whose forward runs its blocks last to first: a pipeline cut in the listed order would put a block
+    in another stage than the one that runs it."""
+
+    def forward(self, ids):
+        x = self.tokens(ids)
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(x)
+
+
+def last_to_first_lm():
+    torch.manual_seed(0)
+    return LastToFirstLM()

@@ -496,6 +496,16 @@ loss_fn = lm_loss
 window = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
 local_ids, local_targets = window[:, :-1], window[:, 1:]   # one data-parallel slice: all of it at dp=1
 '''),
+    "nbtrain.run.traced_stages": Workers(2, '''\
+from nbtrain.models.description import describe
+from nbtrain.planner.strategy import Plan
+from nbtrain.run.mesh import PlanMeshes
+from tests.any_models import cnn, image_batches
+plan = Plan.parse("pp=2 mb=2", num_devices=2, num_layers=5, global_batch=4)   # stem, 3 blocks, head: 3 + 2
+model = cnn()                                                                  # plain torch, a list of conv blocks
+meshes = PlanMeshes(plan)
+images, labels = image_batches(steps=1)[0]
+'''),
     "nbtrain.models.conv1d": Workers(2, '''\
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module

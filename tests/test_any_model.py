@@ -55,26 +55,26 @@ def test_a_transformers_qwen2_trains_like_one_process(plan):
     _check("qwen2", plan)
 
 
-@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "tp=2",
+@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "tp=2", "pp=2 mb=2",
                                   "dp_shard=2 offload=1", "0: dp_shard=2; 1-2: dp_replicate=2 ac; 3: dp_shard=2"])
 def test_a_bert_masked_lm_with_dict_batches_trains_like_one_process(plan):
     _check("bert_mlm", plan, data=zoo.mlm_batches(steps=2), loss_fn=zoo.mlm_loss, tp_plan=BERT_TP)
 
 
-@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "dp_replicate=2 offload=1",
-                                  "0: dp_replicate=2; 1-2: dp_shard=2 ac; 3: dp_replicate=2"])
+@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "pp=2 mb=2",
+                                  "dp_replicate=2 offload=1", "0: dp_replicate=2; 1-2: dp_shard=2 ac; 3: dp_replicate=2"])
 def test_a_vit_image_classifier_trains_like_one_process(plan):
     _check("vit", plan, data=zoo.image_batches(steps=2), loss_fn=zoo.classification_loss)
 
 
-@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2", "dp_shard=2 zero=2 ac",
+@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2", "dp_shard=2 zero=2 ac", "pp=2 mb=2",
                                   "0: dp_shard=2 ac; 1-2: dp_replicate=2; 3: dp_shard=2 ac"])
 def test_a_t5_encoder_decoder_trains_like_one_process(plan):
     _check("t5", plan, data=zoo.t5_batches(steps=2), loss_fn=zoo.seq2seq_loss)
 
 
-@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "dp_replicate=2 offload=1",
-                                  "0: dp_replicate=2; 1-3: dp_shard=2 ac; 4: dp_replicate=2"])
+@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "pp=2 mb=2",
+                                  "dp_replicate=2 offload=1", "0: dp_replicate=2; 1-3: dp_shard=2 ac; 4: dp_replicate=2"])
 def test_a_plain_torch_cnn_with_a_list_of_residual_blocks_trains_like_one_process(plan):
     _check("cnn", plan, data=zoo.image_batches(steps=2), loss_fn=zoo.classification_loss)
 
@@ -82,6 +82,16 @@ def test_a_plain_torch_cnn_with_a_list_of_residual_blocks_trains_like_one_proces
 @pytest.mark.parametrize("plan", ["dp_shard=2 ac", "0: dp_replicate=2; 1-3: dp_shard=2; 4: dp_replicate=2 offload=1"])
 def test_a_plain_torch_language_model_trains_like_one_process(plan):
     _check("plain_lm", plan)
+
+
+def test_traced_pipeline_stages_shard_checkpoint_and_sum_a_tied_decoder_across_four_processes():
+    # BERT's decoder is tied to the word embeddings, which sit in the other stage: each stage holds a copy, sharded
+    # by FSDP2 inside the stage, and the two sum their gradients; a block of each kind: ZeRO-3, ZeRO-3 and checkpointed
+    plan = "pp=2 mb=2 | 0: dp_shard=2 zero=2; 1: dp_shard=2 zero=3; 2: dp_shard=2 zero=3 ac; 3: dp_shard=2 zero=2"
+    report = verify("tests.any_models:bert_mlm", plan, processes=4, steps=5, batch=4, seq=16, timeout=240,
+                    data=zoo.mlm_batches(steps=2), loss_fn=zoo.mlm_loss)
+    assert report.ok, str(report)
+    assert max(report.loss_differences) <= 1e-4
 
 
 def test_a_model_without_repeated_blocks_is_one_unit_under_sharding_and_checkpointing():
@@ -95,18 +105,25 @@ def test_a_user_tensor_parallel_plan_splits_a_plain_torch_model():
 
 
 @pytest.mark.parametrize("model, plan, says", [
-    ("vit", "pp=2 mb=2", "the plan asks for pp=2, but nbtrain runs ViTForImageClassification's layers as pipeline "
-                         "stages only for decoders"),
+    ("bert_mlm", "pp=2 tp=2", "layer 0 asks for tp=2 in a pipeline of BertForMaskedLM, whose stages are traced "
+                              "graphs"),
+    ("gated_lm", "pp=2 mb=2", "GatedLM could not be traced into pipeline stages"),
     ("cnn", "tp=2", "ResidualCNN has no tensor-parallel plan"),
     ("t5", "tp=2", "T5ForConditionalGeneration has no tensor-parallel plan"),
     ("t5", "dp_shard=2 offload=1", "the CPU update offload of an encoder-decoder (T5ForConditionalGeneration) does "
                                    "not yet train like one process"),
 ])
 def test_what_cannot_run_is_refused_naming_the_model_and_the_reason(model, plan, says):
-    data = {"vit": zoo.image_batches, "cnn": zoo.image_batches, "t5": zoo.t5_batches}[model](steps=1)
-    loss = {"vit": zoo.classification_loss, "cnn": zoo.classification_loss, "t5": zoo.seq2seq_loss}[model]
-    with pytest.raises(InvalidPlanError, match=None) as error:
-        nbtrain.fit(getattr(zoo, model)(), data, plan=plan, steps=1, num_processes=2, loss_fn=loss, progress=False)
+    data = {"vit": zoo.image_batches, "cnn": zoo.image_batches, "t5": zoo.t5_batches, "bert_mlm": zoo.mlm_batches,
+            "gated_lm": lambda steps: zoo.lm_batches(steps=steps, vocab=64)}[model](steps=1)
+    loss = {"vit": zoo.classification_loss, "cnn": zoo.classification_loss, "t5": zoo.seq2seq_loss,
+            "bert_mlm": zoo.mlm_loss}.get(model)
+    extra = {"loss_fn": loss} if loss else {}
+    if model == "bert_mlm":
+        extra["tp_plan"] = BERT_TP
+    processes = 4 if "tp=2" in plan and "pp=2" in plan else 2
+    with pytest.raises(InvalidPlanError, match=None) as error:  # in the notebook, before any worker starts
+        nbtrain.fit(getattr(zoo, model)(), data, plan=plan, steps=1, num_processes=processes, progress=False, **extra)
     assert says in str(error.value)
 
 

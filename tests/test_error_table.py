@@ -235,6 +235,23 @@ case("tied embeddings in two pipeline stages", "CLI")(
     lambda e: e.cli("verify", "gpt-tiny", "--strategy", "pp=2 mb=2", "--processes", "2"))
 
 
+
+@case("a pipeline of a model whose forward cannot be traced", "Python")
+def _(e):
+    from tests.any_models import gated_lm
+
+    return e.raised(fit, gated_lm(), tiny_batches(1, rows=4), plan="pp=2 mb=2", steps=1, num_processes=2)
+
+
+@case("TP inside a traced pipeline stage", "Python")
+def _(e):
+    from tests import any_models as zoo
+    from tests.test_any_model import BERT_TP
+
+    return e.raised(fit, zoo.bert_mlm(), zoo.mlm_batches(steps=1), plan="pp=2 tp=2", steps=1, num_processes=4,
+                    loss_fn=zoo.mlm_loss, tp_plan=BERT_TP)
+
+
 @case("a plan for more devices than launched", "Python")
 def _(e):
     from nbtrain.planner.strategy import Plan

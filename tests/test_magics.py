@@ -112,7 +112,8 @@ def test_the_model_can_be_named_when_the_cell_makes_several(shell):
     ("--gpus 2 --batch 4 -q --launch --processes 2 --data batches", TINY + "batches = []\n",
      "InvalidArgumentError: --data holds no batches"),
     ('--gpus 2 -q --launch --processes 2 --strategy "pp=2 mb=2"',
-     "from tests.any_models import plain_lm\nnet = plain_lm()\n", "PlainLM"),
+     "from tests.any_models import last_to_first_lm\nnet = last_to_first_lm()\n",
+     "LastToFirstLM's forward does not run blocks.0 (layer 1) in pipeline stage 0"),
 ])
 def test_mistakes_end_the_cell_with_one_usage_error_and_the_notebook_keeps_its_state(shell, capsys, line, body,
                                                                                      message):

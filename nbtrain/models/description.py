@@ -45,14 +45,11 @@ GPT2_TP = {"h.*.attn.c_attn": "packed_colwise", "h.*.attn.c_proj": "rowwise", "h
 
 
 def slot_module(parent: nn.Module, attr: str) -> nn.Module:
-    return parent[int(attr)] if attr.isdigit() else getattr(parent, attr)
+    return getattr(parent, attr)  # a ModuleList's items too ("0"), and a traced graph's (not indexable)
 
 
 def set_slot_module(parent: nn.Module, attr: str, module: nn.Module) -> None:
-    if attr.isdigit():
-        parent[int(attr)] = module
-    else:
-        setattr(parent, attr, module)
+    setattr(parent, attr, module)
 
 
 def layer_slots(model: nn.Module, family: ModelFamily | None = None) -> list[list[Slot]]:
@@ -130,7 +127,8 @@ class ModelDescription:
     """Why the model's blocks cannot be split by tensor parallelism (empty: they can)."""
     stages: str = ""
     """How the executor runs a layer as a pipeline stage: ``layers`` (each layer takes and returns one tensor),
-    ``hf-gpt2``, ``hf-rotary`` (a Hugging Face decoder with a pipeline plan and rotary embeddings); empty: none."""
+    ``hf-gpt2``, ``hf-rotary`` (a Hugging Face decoder with a pipeline plan and rotary embeddings), ``traced``
+    (any other model with repeated blocks: its forward traced and cut, nbtrain.run.traced_stages); empty: none."""
     no_pipeline: str = ""
     """Why the model cannot be cut into pipeline stages (empty: it can)."""
     ties: list = field(default_factory=list)
@@ -228,11 +226,7 @@ def _stages(model: nn.Module, family: ModelFamily, layers: list[list[Slot]]) -> 
     if getattr(config, "base_model_pp_plan", None) and hasattr(base, "rotary_emb") and \
             family.blocks_path.endswith(".layers") and getattr(config, "is_decoder", True) is not False:
         return "hf-rotary", ""
-    if config is not None:
-        return "", (f"nbtrain runs {kind}'s layers as pipeline stages only for decoders with a pipeline plan and "
-                    "rotary embeddings (Llama, Mistral, Qwen2, Phi-3) and GPT-2")
-    return "", (f"nbtrain does not cut {kind} into pipeline stages: its forward between the blocks is its own code, "
-                "which a stage cannot run alone")
+    return "traced", ""
 
 
 def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDescription:
@@ -278,7 +272,8 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
 
 def planner_facts(description: ModelDescription) -> dict:
     """What the planner must know of the executor's reach on this model, kept in the profile's ``arch``:
-    ``no_tensor_parallel`` / ``no_pipeline`` (why not; empty: it can), ``cuts_stages``, ``splits_tied``, and
+    ``no_tensor_parallel`` / ``no_pipeline`` (why not; empty: it can), ``cuts_stages``, ``traced_stages`` (its
+    stages are traced graphs, which run without tensor parallelism), ``splits_tied``, and
     ``tp_unit``, a number every tensor-parallel degree must divide (the split features, the heads when they are
     split; 0: no limit)."""
     sizes = []
@@ -290,7 +285,8 @@ def planner_facts(description: ModelDescription) -> dict:
             sizes += [n for n in (description.family.n_head, description.family.n_kv_head) if n]
     return {"no_tensor_parallel": description.no_tensor_parallel, "no_pipeline": description.no_pipeline,
             "no_offload": description.no_offload,
-            "cuts_stages": bool(description.stages), "splits_tied": description.splits_tied,
+            "cuts_stages": bool(description.stages), "traced_stages": description.stages == "traced",
+            "splits_tied": description.splits_tied,
             "tp_unit": math.gcd(*sizes) if sizes else 0}
 
 

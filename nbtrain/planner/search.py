@@ -247,6 +247,7 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
     heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
     max_tp = 1 if profile.arch.get("no_tensor_parallel") else opts.max_tp
     unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)
+    traced = profile.arch.get("traced_stages")  # traced stages hold the full head count: no tp inside them
     pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
     tasks = []
     for pp in pps:
@@ -257,7 +258,7 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
             if batch % m:
                 continue
             space = [s for s in strategy_space(cluster.num_devices // pp, devices_per_node=cluster.devices_per_node,
-                                               max_tp=max_tp, max_dp=batch // m,
+                                               max_tp=1 if pp > 1 and traced else max_tp, max_dp=batch // m,
                                                offload_levels=opts.offload_levels if pp == 1 else (0.0,),
                                                allow_ac=opts.allow_ac,
                                                zero_levels=opts.zero_levels)
@@ -408,6 +409,8 @@ def executor_problem(profile: ModelProfile, plan: Plan) -> str:
                 "unsplit by tensor parallelism and with one strategy (pp=1, tp=1 on the first and last layers)")
     if plan.pp > 1 and not cuts_stages(profile):
         return profile.arch.get("no_pipeline") or f"the executor does not cut {profile.model} into pipeline stages"
+    if plan.pp > 1 and profile.arch.get("traced_stages") and any(s.tp > 1 for s in plan.layers):
+        return "the executor's traced pipeline stages of this model run without tensor parallelism (tp=1 with pp)"
     unit = profile.arch.get("tp_unit")
     uneven = next((s.tp for s in plan.layers if s.tp > 1 and unit and unit % s.tp), None)
     if uneven:

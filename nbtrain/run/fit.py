@@ -33,12 +33,14 @@ import torch
 from torch import nn
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
+from nbtrain.models.description import describe
 from nbtrain.planner.strategy import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.checkpoint import Checkpoint, folder_for_run, with_resume_hint
+from nbtrain.run.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.trainer import StepRecord, check_on_nonfinite
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
@@ -161,7 +163,8 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
-    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan)
+    example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None
+    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example)
     if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
         from nbtrain.run.offload import OffloadedAdamW
 
@@ -346,10 +349,13 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
                          lm_targets=lm_targets)
     rows, length = batch_shape(ids)
     plan = plan_for(model, plan, num_processes, global_batch=rows, seq_len=length, tp_plan=tp_plan)
-    if plan.pp > 1 and not isinstance(ids, torch.Tensor):
-        raise InvalidArgumentError(f"a pipeline (pp={plan.pp}) passes one tensor from stage to stage, but the batches' "
-                                   f"inputs are a {type(ids).__name__}; give the inputs as one tensor, or plan "
-                                   "with pp=1")
+    traced = plan.pp > 1 and describe(model, tp_plan).stages == "traced"
+    if plan.pp > 1 and not isinstance(ids, torch.Tensor) and not traced:
+        raise InvalidArgumentError(f"a pipeline (pp={plan.pp}) of {type(model).__name__} passes one tensor from stage "
+                                   f"to stage, but the batches' inputs are a {type(ids).__name__}; give the inputs "
+                                   "as one tensor, or plan with pp=1")
+    if traced:  # refused here, before the workers: a model that cannot be traced, or cut where its stages begin
+        check_traceable(model, describe(model, tp_plan), plan, example_microbatch(ids, plan, 0))
     num_processes = num_processes or plan.num_devices
     if optimizer is not None and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("optimizer= with CPU update offload: the offloaded update stays AdamW (it runs "

@@ -29,19 +29,24 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from nbtrain.errors import InvalidPlanError
-from nbtrain.models.description import (ModelDescription, WholeModel, describe, described, set_slot_module,
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
                                         slot_module)
 from nbtrain.models.tensor_parallel import style_for
 from nbtrain.planner.strategy import Plan, Strategy, head_split_problem
 from nbtrain.run.mesh import PlanMeshes
 from nbtrain.run.relayout import add_relayout
+from nbtrain.run.traced_stages import traced_stage, write_back
 
 
 def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
-                mixed_precision: MixedPrecisionPolicy | None = None, tp_plan: dict[str, str] | None = None) -> nn.Module:
+                mixed_precision: MixedPrecisionPolicy | None = None, tp_plan: dict[str, str] | None = None,
+                example=None) -> nn.Module:
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1), as
     :func:`~nbtrain.models.description.describe` cuts them (``tp_plan``: the user's tensor-parallel plan).
+    A model whose stages are traced (``describe(model).stages == "traced"``) is traced on ``example``, one
+    micro-batch of its inputs (:func:`~nbtrain.run.traced_stages.example_microbatch`), and its stage's layers are
+    the traced graph's (:mod:`nbtrain.run.traced_stages`).
 
     Returns the module to train: ``model`` itself, changed in place, or for a plain data-parallel plan the
     ``DistributedDataParallel`` wrapping it (its ``.module`` is ``model``).
@@ -64,6 +69,14 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         return DistributedDataParallel(model, device_ids=device, process_group=group)
     start, end = plan.stage_ranges()[meshes.stage]
     last = plan.num_layers - 1
+    traced = None
+    if plan.pp > 1 and description.stages == "traced":
+        if example is None:
+            raise InvalidArgumentError(f"{type(model).__name__}'s pipeline stages are traced: give parallelize one "
+                                       "micro-batch of its inputs (example=example_microbatch(inputs, plan, rank))")
+        traced = traced_stage(model, description, plan, meshes.stage, example)
+        layers = traced.layers
+        model.__dict__["_nbtrain_traced"] = traced  # for the pipeline stage (pipeline.py)
     together = bool(ties) and plan.pp == 1  # the embedding and the head in one stage: one parameter, one FSDP group
     policy = mixed_precision or MixedPrecisionPolicy()
     for i in range(start, end):
@@ -89,13 +102,18 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
             parent, attr = slots[0]
             add_relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout, meshes.stage_group)
-    if ties and not together:  # this stage's copy of the shared weight, under both names in this process
+    if traced is not None:  # the stage's parameters, sharded, become the model's (tied copies under both names)
+        stray = {p for p in traced.module.parameters()} - {p for i in range(start, end) for parent, attr in layers[i]
+                                                             for p in slot_module(parent, attr).parameters()}
+        add_fsdp_root(traced.module, layers, plan, meshes, policy, ignored=stray)
+        write_back(model, traced)
+    elif ties and not together:  # this stage's copy of the shared weight, under both names in this process
         if start == 0:
             retie(ties, to="first")
         elif end == plan.num_layers:
             retie(ties, to="last")
     if plan.pp == 1 and plan.num_layers > 1:  # a pipeline stage's root is its stage module (pipeline.py)
-        add_fsdp_root(model, model, plan, meshes, policy)
+        add_fsdp_root(model, layers, plan, meshes, policy)
     return model
 
 
@@ -120,20 +138,21 @@ def retie(ties, to: str) -> None:
             a.register_parameter(a_name, getattr(b, b_name))
 
 
-def add_fsdp_root(root: nn.Module, model: nn.Module, plan: Plan, meshes: PlanMeshes,
-                  mixed_precision: MixedPrecisionPolicy | None = None) -> None:
+def add_fsdp_root(root: nn.Module, layers: list, plan: Plan, meshes: PlanMeshes,
+                  mixed_precision: MixedPrecisionPolicy | None = None, ignored: set = frozenset()) -> None:
     """One FSDP root over ``root`` (the model, or a pipeline stage's module) when any of this stage's layers is
     sharded: it owns no parameters (every layer already holds its own) but orders the layers' gathers and gradient
-    syncs, and FSDP2 needs a single root above a group of several modules (a Llama head: final norm, LM head)."""
+    syncs, and FSDP2 needs a single root above a group of several modules (a Llama head: final norm, LM head).
+    ``layers``: the slots of each layer's modules under ``root``; ``ignored``: parameters of ``root`` it leaves
+    alone besides the unsharded layers' (a traced stage's unused copies)."""
     start, end = plan.stage_ranges()[meshes.stage]
     sharded = [s for s in plan.layers[start:end] if s.dp > 1]
     if not sharded:
         return
-    layers = described(model).layers
     unsharded = {p for i in range(start, end) if plan.layers[i].dp == 1
                  for parent, attr in layers[i] for p in slot_module(parent, attr).parameters()}
     fully_shard(root, mesh=meshes.for_strategy(sharded[0])["dp_replicate", "dp_shard"],
-                mp_policy=mixed_precision or MixedPrecisionPolicy(), ignored_params=unsharded)
+                mp_policy=mixed_precision or MixedPrecisionPolicy(), ignored_params=unsharded | set(ignored))
 
 
 def set_checkpointing(model: nn.Module, enabled: bool) -> None:
@@ -202,4 +221,9 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
                                    "strategy")
     if plan.pp > 1 and not d.stages:
         raise InvalidPlanError(f"the plan asks for pp={plan.pp}, but {d.no_pipeline}; use pp=1")
+    split = next((i for i, s in enumerate(plan.layers) if s.tp > 1), None)
+    if plan.pp > 1 and d.stages == "traced" and split is not None:
+        raise InvalidPlanError(f"layer {split} asks for tp={plan.layers[split].tp} in a pipeline of {kind}, whose "
+                               "stages are traced graphs that hold the full head count in their reshapes; use tp=1 "
+                               "with pp, or pp=1 with tp")
     return bool(d.ties)

@@ -5,7 +5,9 @@
 
 Stage ``i`` runs on devices ``[i·D, (i+1)·D)`` (pp is the outermost mesh axis); inside a stage the layers keep
 their data-parallel and tensor-parallel strategies. The stage module holds the model's own submodules, so the
-trained weights are the model's. GPipe runs every micro-batch forward, then every backward; 1F1B (Narayanan et
+trained weights are the model's; a model whose stages are traced (:mod:`nbtrain.run.traced_stages`: BERT, ViT, T5,
+a user's CNN) runs its traced graph through ``build_stage``, its first stage takes the batch's inputs as the model
+does (a dict as keywords), and the loss gets the model's output structure back. GPipe runs every micro-batch forward, then every backward; 1F1B (Narayanan et
 al. 2021) interleaves them so stage ``i`` holds at most ``pp − i`` micro-batches of activations. Both scale each
 micro-batch's gradient by ``1/m``, which makes the gradient of the mean loss, as one process computes it.
 
@@ -24,12 +26,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, build_stage
 from torch.distributed.tensor import DTensor
 
 from nbtrain.models.description import described
 from nbtrain.models.stages import stage_layers
 from nbtrain.planner.strategy import Plan
+from nbtrain.run.batches import chunk_rows
 from nbtrain.run.mesh import PlanMeshes, device_type, local_shard
 from nbtrain.run.parallelize import add_fsdp_root
 
@@ -56,13 +59,23 @@ class PipelineRunner:
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, loss_fn: Callable):
         start, end = plan.stage_ranges()[meshes.stage]
         description = described(model)
-        self.module = StageModule(stage_layers(description, start, end))
-        add_fsdp_root(self.module, model, plan, meshes)
-        self.first, self.last = meshes.stage == 0, meshes.stage == plan.pp - 1
         device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else \
             torch.device("cpu")
-        self.stage = PipelineStage(self.module, meshes.stage, plan.pp, device, group=meshes.pp_mesh().get_group())
-        self.schedule = SCHEDULES[plan.schedule](self.stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
+        group = meshes.pp_mesh().get_group()
+        self.traced = model.__dict__.get("_nbtrain_traced")  # parallelize traced and sharded it (traced_stages.py)
+        if self.traced is not None:
+            self.module = self.traced.module
+            self.stage = build_stage(self.module, meshes.stage, self.traced.info, device, group)
+            structured = self.traced.structured
+            loss = lambda output, targets: loss_fn(structured(output), targets)  # noqa: E731
+        else:
+            self.module = StageModule(stage_layers(description, start, end))
+            add_fsdp_root(self.module, description.layers, plan, meshes)
+            self.stage = PipelineStage(self.module, meshes.stage, plan.pp, device, group=group)
+            loss = loss_fn
+        self.first, self.last = meshes.stage == 0, meshes.stage == plan.pp - 1
+        self.microbatches = plan.microbatches
+        self.schedule = SCHEDULES[plan.schedule](self.stage, n_microbatches=plan.microbatches, loss_fn=loss)
         # a head tied to the embedding in another stage: the slots holding this stage's copy of the shared weight
         self.tied: list[tuple[nn.Module, str]] = []
         self.embedding_group = None
@@ -97,13 +110,18 @@ class PipelineRunner:
             with torch.no_grad():
                 dist.all_reduce(local_shard(grad), group=self.embedding_group)
 
-    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of this data-parallel slice's rows; the last stage returns their mean loss."""
+    def step(self, ids, targets) -> torch.Tensor | None:
+        """Forward and backward of this data-parallel slice's rows (token ids, or any tensor, tuple or dict of
+        them: the first stage's inputs); the last stage returns their mean loss."""
         losses: list[torch.Tensor] = []
+        args, kwargs = ((), {}) if not self.first else ((), ids) if isinstance(ids, dict) else \
+            (tuple(ids), {}) if isinstance(ids, (tuple, list)) else ((ids,), {})
+        if self.first and self.traced is not None:
+            self.traced.check_shapes(chunk_rows(ids, self.microbatches)[0])
         if self.first and self.last:
-            self.schedule.step(ids, target=targets, losses=losses)
+            self.schedule.step(*args, target=targets, losses=losses, **kwargs)
         elif self.first:
-            self.schedule.step(ids)
+            self.schedule.step(*args, **kwargs)
         elif self.last:
             self.schedule.step(target=targets, losses=losses)
         else:
