@@ -28,6 +28,11 @@ BERT_TP = {"bert.encoder.layer.*.attention.self.query": "colwise", "bert.encoder
            "bert.encoder.layer.*.intermediate.dense": "colwise", "bert.encoder.layer.*.output.dense": "rowwise"}
 """A user's tensor-parallel plan for BERT, whose config carries none: Megatron's split of its attention and MLP."""
 
+VIT_TP = {"vit.layers.*.attention.q_proj": "colwise", "vit.layers.*.attention.k_proj": "colwise",
+          "vit.layers.*.attention.v_proj": "colwise", "vit.layers.*.attention.o_proj": "rowwise",
+          "vit.layers.*.mlp.fc1": "colwise", "vit.layers.*.mlp.fc2": "rowwise"}
+"""The same split for ViT, whose config carries no plan either."""
+
 
 def _check(model: str, plan: str, **workload):
     report = verify(f"tests.any_models:{model}", plan, processes=2, steps=5, batch=4, seq=16, timeout=180, **workload)
@@ -61,10 +66,10 @@ def test_a_bert_masked_lm_with_dict_batches_trains_like_one_process(plan):
     _check("bert_mlm", plan, data=zoo.mlm_batches(steps=2), loss_fn=zoo.mlm_loss, tp_plan=BERT_TP)
 
 
-@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "pp=2 mb=2",
+@pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "tp=2", "pp=2 mb=2",
                                   "dp_replicate=2 offload=1", "0: dp_replicate=2; 1-2: dp_shard=2 ac; 3: dp_replicate=2"])
 def test_a_vit_image_classifier_trains_like_one_process(plan):
-    _check("vit", plan, data=zoo.image_batches(steps=2), loss_fn=zoo.classification_loss)
+    _check("vit", plan, data=zoo.image_batches(steps=2), loss_fn=zoo.classification_loss, tp_plan=VIT_TP)
 
 
 @pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2", "dp_shard=2 zero=2 ac", "pp=2 mb=2",
