@@ -10,7 +10,7 @@
    AdamW step, zero_grad, and an all-reduce of the loss. Clipping is off on both sides, then on (nbtrain clips by
    the norm over every mesh; DDP with ``clip_grad_norm_``).
 2. **Where the time goes.** The same plain loop, timed phase by phase, over DDP and over the model as
-   ``nbtrain.run.parallelize`` wraps it (DDP for dp_replicate=2, FSDP2 for dp_shard=2): what the wrapping costs,
+   ``nbtrain.run.parallel.parallelize`` wraps it (DDP for dp_replicate=2, FSDP2 for dp_shard=2): what the wrapping costs,
    apart from nbtrain's ``Trainer``; and one AdamW
    step alone over plain tensors and over FSDP2's DTensors, for each AdamW implementation.
 3. **Cost model.** Each plan runs through ``nbtrain.fit(..., cluster=...)`` with a cluster measured on this
@@ -81,9 +81,9 @@ def _bare_loop(model, batches, steps: int, wrapping: str, clip: bool) -> list[li
     if wrapping == "ddp":
         net = DistributedDataParallel(model)
     else:
-        from nbtrain.planner.strategy import Plan
-        from nbtrain.run.mesh import PlanMeshes
-        from nbtrain.run.parallelize import parallelize
+        from nbtrain.planner.plan import Plan
+        from nbtrain.run.parallel.mesh import PlanMeshes
+        from nbtrain.run.parallel.parallelize import parallelize
 
         plan = Plan.parse(wrapping, num_devices=world, num_layers=CONFIG.n_layer + 2, global_batch=BATCH,
                           seq_len=SEQ)
@@ -166,9 +166,9 @@ def _adamw_alone(model, repeats: int = 10) -> dict[tuple[str, str], float]:
     implementation; median seconds."""
     import torch.distributed as dist
 
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.mesh import PlanMeshes
-    from nbtrain.run.parallelize import parallelize
+    from nbtrain.planner.plan import Plan
+    from nbtrain.run.parallel.mesh import PlanMeshes
+    from nbtrain.run.parallel.parallelize import parallelize
 
     found = {}
     for wrapping in ("plain tensors", "FSDP2 dp_shard=2"):

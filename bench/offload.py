@@ -8,7 +8,7 @@ the update) is the main thread on one core, the CPU update is OffloadedAdamW's w
 intra-op thread each. One GPT (fp32, untied head, fused AdamW everywhere), three tokens-per-step settings chosen so
 that the CPU update of the whole model takes about 0.5x, 1x and 2x the backward (measured and printed: ``upd/bwd``).
 
-Schedules, all but FSDP2's ``nbtrain.run.offload.OffloadedAdamW``:
+Schedules, all but FSDP2's ``nbtrain.run.offload.optimizer.OffloadedAdamW``:
 
 - ``no offload``: offload 0, the whole update on the device after backward (plain fused AdamW);
 - ``ZeRO-Offload``: offload 1, ``schedule="after_backward"``, ``land_at="step"``: the CPU update starts once
@@ -30,7 +30,7 @@ Schedules, all but FSDP2's ``nbtrain.run.offload.OffloadedAdamW``:
 here), which a GPU can approach: its share of the update is nearly free there, so the split can move layers to it
 until the CPU's queue fits under the step. Here the "device" is a core like the CPU's and the CPU idles from its
 last update to the next step's first gradient (the next forward of the offloaded layers, the head's backward):
-``sim`` is what the chosen split can reach on this machine, :func:`~nbtrain.run.offload_split.step_period` of
+``sim`` is what the chosen split can reach on this machine, :func:`~nbtrain.planner.offload_split.step_period` of
 each layer's forward, backward and CPU update measured with nothing beside them. Both take forward + backward
 from the ``no offload`` or ``ZeRO-Offload`` run (nothing runs beside them there), whichever was faster, and the
 CPU update from the ``ZeRO-Offload`` run.
@@ -62,10 +62,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
 import nbtrain  # noqa: E402
 from nbtrain.models import GPT, GPTConfig  # noqa: E402
 from nbtrain.planner.cost import CostModel, CostOptions  # noqa: E402
-from nbtrain.planner.strategy import Plan, Strategy  # noqa: E402
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
-from nbtrain.run.offload import OffloadedAdamW  # noqa: E402
-from nbtrain.run.offload_split import balanced_offload, step_period  # noqa: E402
+from nbtrain.run.offload.optimizer import OffloadedAdamW  # noqa: E402
+from nbtrain.planner.offload_split import balanced_offload, step_period  # noqa: E402
 from nbtrain.models.description import layer_slots, slot_module  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False)

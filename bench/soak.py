@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import nbtrain
 from nbtrain.errors import WorkerError
-from nbtrain.run.launch import launch
+from nbtrain.run.launch.workers import launch
 
 NOISE_MIB = 16
 

@@ -6,7 +6,7 @@ Part 1, measured here: two gloo processes train a small LLaMA-shaped GPT on the 
 into rows of 128, 512 and 2048 tokens, per-document attention). The memory budget is set so that the longest bucket
 does not fit plain data parallelism: the planner's static plan (one strategy for every bucket) must use tensor
 parallelism or checkpointing, and ``plan_buckets`` gives the short buckets their own strategy. Both plans run on
-``nbtrain.run.switching.HotSwitching`` (the static one is the same executor with one strategy, so no switch), on the
+``nbtrain.run.switching.hot.HotSwitching`` (the static one is the same executor with one strategy, so no switch), on the
 same documents per step; tokens/s are medians over the measured steps. The budget binds in the planner's memory
 model (a CPU has no device memory to run out of): what is measured is the time of each plan the planner chose.
 
@@ -27,11 +27,12 @@ import torch  # noqa: E402
 import nbtrain  # noqa: E402
 from nbtrain.data import length_batches, stdlib_documents  # noqa: E402
 from nbtrain.models import GPT, GPTConfig  # noqa: E402
-from nbtrain.planner.bucket_search import padded_rows  # noqa: E402
-from nbtrain.planner.buckets import plan_buckets  # noqa: E402
+from nbtrain.planner.switching.bucket_search import padded_rows  # noqa: E402
+from nbtrain.planner.switching.buckets import plan_buckets  # noqa: E402
 from nbtrain.planner.cost import CostModel  # noqa: E402
-from nbtrain.planner.strategy import Plan, Strategy  # noqa: E402
-from nbtrain.run.launch import launch  # noqa: E402
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy  # noqa: E402
+from nbtrain.run.launch.workers import launch  # noqa: E402
 from nbtrain.units import format_bytes  # noqa: E402
 
 VOCAB = 2048
@@ -72,7 +73,7 @@ def budget_forcing_tp_or_ac(profile, cluster, bound, rows):
 
 def train(strategies: dict, bounds: list[int], steps: int, tokens_per_step: int) -> dict:
     """In each worker: train under ``strategies`` (bound → strategy), return rank 0's measurements."""
-    from nbtrain.run.switching import HotSwitching
+    from nbtrain.run.switching.hot import HotSwitching
 
     documents = stdlib_documents(VOCAB)
     switching = HotSwitching(lambda: GPT(CONFIG), strategies, lr=1e-3)

@@ -28,9 +28,9 @@ _PUBLIC = {
     "plan": "nbtrain.planner.recommend",
     "baselines": "nbtrain.planner.recommend",
     "estimate": "nbtrain.planner.cost",
-    "Plan": "nbtrain.planner.strategy",
+    "Plan": "nbtrain.planner.plan",
     "Strategy": "nbtrain.planner.strategy",
-    "launch": "nbtrain.run.launch",
+    "launch": "nbtrain.run.launch.workers",
     "fit": "nbtrain.run.fit",
     "verify": "nbtrain.run.verify",
 }

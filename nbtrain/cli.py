@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="run a training script in worker processes, with a plan file available",
                        description="Run SCRIPT in N processes of one process group (forked through accelerate; under "
                                    "torchrun or accelerate launch it simply runs). The plan's path is in "
-                                   "NBTRAIN_PLAN; read it with nbtrain.run.launch.current_plan().")
+                                   "NBTRAIN_PLAN; read it with nbtrain.run.launch.script.current_plan().")
     r.add_argument("script", help="a Python file")
     r.add_argument("--plan", default=None, help="a plan JSON file (nbtrain plan ... --json > plan.json)")
     r.add_argument("--processes", type=_positive_int, default=None, help="processes (default: the plan's devices)")
@@ -167,29 +167,24 @@ def _profile(args) -> None:
 
 
 def _plan(args) -> None:
-    from nbtrain.planner.recommend import baselines, plan
-    from nbtrain.planner.report import comparison_table
+    from nbtrain.planner.planned import plan_and_compare
     from nbtrain.profiler.hardware import Cluster
     from nbtrain.profiler.model import profile
 
     cluster = Cluster.from_catalog(args.gpu, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
     prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
-    best = plan(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
-                strategy=args.strategy, top=args.top)
-    known = baselines(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=best.predicted.budget_bytes)
+    job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
+                           strategy=args.strategy, top=args.top)
     if args.json:
-        data = best.to_dict()
+        data = job.plan.to_dict()
         data["baselines"] = [{"name": b.name, "plan": b.plan.to_dict() if b.plan else None, "note": b.note}
-                             for b in known]
+                             for b in job.baselines]
         print(json.dumps(data, indent=2))
         return
-    print(best.table())
-    print()
-    print(comparison_table(best, known))
-    print()
-    if note := decimal_note(args.memory):
-        print("note:", note)
-    print(best.summary(label="evaluated" if args.strategy else "recommended"))
+    note = decimal_note(args.memory)
+    table, comparison, *notes, summary = job.report(notes=(note,) if note else ())
+    print(table, comparison, sep="\n\n", end="\n\n")
+    print(*notes, summary, sep="\n")
 
 
 def _demo(args) -> None:
@@ -202,18 +197,17 @@ def _run_script(args) -> None:
     import os
     import pathlib
 
-    from nbtrain.run.launch import launch, run_script
+    from nbtrain.run.launch.script import run_script
+    from nbtrain.run.launch.workers import launch
 
     if not pathlib.Path(args.script).is_file():
         raise NbtrainError(f"no such script: {args.script}")
     processes = args.processes
     if args.plan:
-        from nbtrain.planner.strategy import Plan
+        from nbtrain.planner.plan_file import read_plan
 
         try:
-            data = json.loads(pathlib.Path(args.plan).read_text())
-            data.pop("baselines", None)  # `nbtrain plan --json` adds the baselines beside the plan
-            plan = Plan.from_dict(data)
+            plan = read_plan(args.plan)
         except (OSError, ValueError) as exc:
             raise NbtrainError(f"cannot read the plan {args.plan}: {exc}") from None
         if processes not in (None, plan.num_devices):

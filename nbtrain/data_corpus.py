@@ -12,6 +12,7 @@ code). The standard library is such a set, needs no download, and is the same on
 from __future__ import annotations
 
 import functools
+import random
 import re
 import sysconfig
 import zlib
@@ -73,10 +74,39 @@ def stdlib_documents(vocab_size: int = 8192, *, max_files: int | None = None) ->
     return list(_read_stdlib(vocab_size, max_files))
 
 
+def stdlib_root() -> Path:
+    """The folder of Python's standard library sources on this machine."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_batches(batch: int, seq: int, count: int, seed: int = 0,
+                   vocab_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of ``batch`` windows of ``seq + 1`` bytes from Python's standard library sources:
+    real text that is on every machine. Token = byte; a vocabulary smaller than 256 takes the bytes folded into it
+    (``byte % vocab_size``).
+
+        >>> ids, targets = stdlib_batches(batch=2, seq=8, count=1)[0]
+        >>> ids.shape, bool((ids[:, 1:] == targets[:, :-1]).all())
+        (torch.Size([2, 8]), True)
+    """
+    files = sorted(p for p in stdlib_root().glob("*.py") if p.stat().st_size > 4 * (seq + 1))[:200]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        rows = []
+        for _ in range(batch):
+            data = rng.choice(files).read_bytes()
+            start = rng.randrange(len(data) - seq - 1)
+            rows.append(torch.tensor(list(data[start:start + seq + 1])) % vocab_size)
+        window = torch.stack(rows)
+        out.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def _read_stdlib(vocab_size: int, max_files: int | None) -> tuple[torch.Tensor, ...]:
     # A tuple, copied to a list by the caller: a caller that shuffles its list cannot change the cached corpus.
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
     documents, table = [], {}
     for path in paths:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nbtrain.models import GPT, GPTConfig
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
 
 GPT_TINY = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, tie_embeddings=False)
@@ -103,9 +103,9 @@ def gloo_worker(rank: int, world: int, port: int, queue):
 
 def _worker(rank, world, port, build, plans, clip_norm, queue):
     with gloo_worker(rank, world, port, queue) as report:
-        from nbtrain.run.mesh import PlanMeshes
+        from nbtrain.run.parallel.mesh import PlanMeshes
         from nbtrain.models.description import layer_slots
-        from nbtrain.run.parallelize import parallelize
+        from nbtrain.run.parallel.parallelize import parallelize
         from nbtrain.run.trainer import Trainer
 
         results = {}

@@ -208,9 +208,10 @@ import argparse
 import torch
 
 import nbtrain
-from nbtrain.run.launch import current_plan, rank_print
-from nbtrain.run.mesh import PlanMeshes
-from nbtrain.run.parallelize import parallelize
+from nbtrain.run.launch.script import current_plan
+from nbtrain.run.launch.workers import rank_print
+from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.parallel.parallelize import parallelize
 from nbtrain.run.trainer import Trainer
 
 parser = argparse.ArgumentParser()
@@ -397,12 +398,12 @@ a, b = shared("fit dp_shard=2"), shared("fit tp=2")        # runs under dp_shard
 ''',
     "nbtrain.notebook.plots.timeline_plot": 'result = shared("fit dp_shard=2")\n',
     "nbtrain.notebook.widgets.PlanExplorer": 'prof = shared("gpt2@1024")\n',
-    "nbtrain.planner.bucket_search": '''\
-from nbtrain.planner.buckets import BucketOptions
+    "nbtrain.planner.switching.bucket_search": '''\
+from nbtrain.planner.switching.buckets import BucketOptions
 profile = shared("llama-7b@4096")
 cluster = nbtrain.Cluster.from_catalog("A100", num_devices=8)
 ''',
-    "nbtrain.planner.buckets.plan_buckets": 'prof = shared("llama-7b@4096")\n',
+    "nbtrain.planner.switching.buckets.plan_buckets": 'prof = shared("llama-7b@4096")\n',
     "nbtrain.planner.cost": '''\
 profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)
@@ -418,21 +419,21 @@ profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8, device_memory="24GiB")
 ''',
     "nbtrain.run.fit": BATCHES,
-    "nbtrain.run.launch.current_plan": '''\
+    "nbtrain.run.launch.script": '''\
 import os
 from pathlib import Path
 Path("plan.json").write_text(nbtrain.Plan.parse("dp_shard=2", num_devices=2, num_layers=6, global_batch=8,
                                                 seq_len=64).to_json())
 os.environ["NBTRAIN_PLAN"] = "plan.json"        # what `nbtrain run --plan plan.json` sets (restored after the test)
 ''',
-    "nbtrain.run.offload": BATCHES + '''\
+    "nbtrain.run.offload.optimizer": BATCHES + '''\
 from nbtrain.notebook.plots import timeline_plot
 from nbtrain.profiler.model import lm_loss
 model = nbtrain.build_preset("gpt-tiny", device="cpu")
 plan = nbtrain.Plan.parse("0-1: offload=0; 2-5: offload=1", num_devices=1, num_layers=6)
 ''',
-    "nbtrain.run.stacks": STACK_DUMPS,
-    "nbtrain.run.failures": '''\
+    "nbtrain.run.launch.stacks": STACK_DUMPS,
+    "nbtrain.run.launch.failures": '''\
 import multiprocessing, tempfile
 from types import SimpleNamespace
 before = set(multiprocessing.process._children)    # the children before the launch forks its workers
@@ -448,11 +449,11 @@ failure = SimpleNamespace(get_first_failure=lambda: (1, SimpleNamespace(exitcode
 WORKER_MODEL = '''\
 import torch
 import nbtrain
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.mesh import PlanMeshes
-from nbtrain.run.parallelize import parallelize
-from nbtrain.run.weights import trained_prefixes
+from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.parallel.parallelize import parallelize
+from nbtrain.run.state.weights import trained_prefixes
 
 torch.manual_seed(0)
 plan = Plan.parse("dp_shard=2", num_devices=2, num_layers=6, global_batch=4, seq_len=32)
@@ -477,17 +478,17 @@ class Workers:
 
 
 IN_WORKERS = {
-    "nbtrain.run.mesh": Workers(2, '''\
-from nbtrain.planner.strategy import Plan
+    "nbtrain.run.parallel.mesh": Workers(2, '''\
+from nbtrain.planner.plan import Plan
 plan = Plan.parse("0-4: dp_shard=2; 5: tp=2", num_devices=2, num_layers=6)
 '''),
-    "nbtrain.run.parallelize": Workers(2, '''\
+    "nbtrain.run.parallel.parallelize": Workers(2, '''\
 plan = Plan.parse("0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2", num_devices=2, num_layers=6)
 model = nbtrain.build_preset("llama-tiny", device="cpu")
 '''),
-    "nbtrain.run.pipeline": Workers(2, '''\
+    "nbtrain.run.parallel.pipeline": Workers(2, '''\
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.parallelize import parallelize
+from nbtrain.run.parallel.parallelize import parallelize
 plan = Plan.parse("pp=2 mb=2", num_devices=2, num_layers=6, global_batch=4, seq_len=32)
 model = nbtrain.build_preset("llama-tiny", device="cpu")     # untied embeddings: they may sit in two stages
 meshes = PlanMeshes(plan)
@@ -496,10 +497,10 @@ loss_fn = lm_loss
 window = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
 local_ids, local_targets = window[:, :-1], window[:, 1:]   # one data-parallel slice: all of it at dp=1
 '''),
-    "nbtrain.run.traced_stages": Workers(2, '''\
+    "nbtrain.run.parallel.traced_stages": Workers(2, '''\
 from nbtrain.models.description import describe
-from nbtrain.planner.strategy import Plan
-from nbtrain.run.mesh import PlanMeshes
+from nbtrain.planner.plan import Plan
+from nbtrain.run.parallel.mesh import PlanMeshes
 from tests.any_models import cnn, image_batches
 plan = Plan.parse("pp=2 mb=2", num_devices=2, num_layers=5, global_batch=4)   # stem, 3 blocks, head: 3 + 2
 model = cnn()                                                                  # plain torch, a list of conv blocks
@@ -515,28 +516,28 @@ block = GPT2Block(GPT2Config(n_embd=32, n_head=4))       # a GPT-2 block of its 
 tp_mesh = init_device_mesh("cpu", (2,))
 '''),
     "nbtrain.run.trainer": Workers(2, WORKER_MODEL + BATCHES),
-    "nbtrain.run.weights": Workers(2, WORKER_TRAINED, here_from=2,
+    "nbtrain.run.state.weights": Workers(2, WORKER_TRAINED, here_from=2,
                                    here_setup='fresh_model = nbtrain.build_preset("gpt-tiny", device="cpu")\n'),
-    "nbtrain.run.training_state": Workers(2, WORKER_TRAINED + '''\
+    "nbtrain.run.state.training_state": Workers(2, WORKER_TRAINED + '''\
 import torch.distributed.checkpoint as dcp
-from nbtrain.run.training_state import TrainingState
+from nbtrain.run.state.training_state import TrainingState
 folder = "saved-state"                               # a checkpoint of this run, saved by every rank
 dcp.save(TrainingState(model, optimizer, mine).to_save(), checkpoint_id=folder)
 '''),
-    "nbtrain.run.checkpoint": Workers(2, WORKER_TRAINED + '''\
-from nbtrain.run.training_state import TrainingState
+    "nbtrain.run.state.checkpoint": Workers(2, WORKER_TRAINED + '''\
+from nbtrain.run.state.training_state import TrainingState
 state = TrainingState(model, optimizer, mine)
 progress = Progress(6, 6, **Progress.random_states())   # where the run stands: after 6 steps
 '''),
-    "nbtrain.run.offload_ddp": Workers(2, '''\
+    "nbtrain.run.offload.ddp": Workers(2, '''\
 from torch.nn.parallel import DistributedDataParallel
-from nbtrain.run.offload import OffloadedAdamW
+from nbtrain.run.offload.optimizer import OffloadedAdamW
 model = nbtrain.build_preset("gpt-tiny", device="cpu")
 '''),
-    "nbtrain.run.reshard": Workers(2, '''\
-from nbtrain.planner.strategy import Plan
-from nbtrain.run.mesh import PlanMeshes, local_shard
-from nbtrain.run.parallelize import parallelize
+    "nbtrain.run.switching.reshard": Workers(2, '''\
+from nbtrain.planner.plan import Plan
+from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
+from nbtrain.run.parallel.parallelize import parallelize
 
 
 def layout(text):                                    # gpt-tiny parallelized under a uniform plan
@@ -547,7 +548,7 @@ def layout(text):                                    # gpt-tiny parallelized und
 src_model, dst_model = layout("dp_replicate=2"), layout("dp_shard=2")     # DDP, FSDP2
 src_params, dst_params = list(src_model.parameters()), list(dst_model.parameters())
 '''),
-    "nbtrain.run.switching": Workers(2, '''\
+    "nbtrain.run.switching.hot": Workers(2, '''\
 from nbtrain.data import length_batches
 from nbtrain.models import GPT, GPTConfig
 config = GPTConfig(vocab_size=256, block_size=8192, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False)

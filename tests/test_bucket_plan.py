@@ -6,7 +6,7 @@ The models are runs of identical blocks with round numbers (:func:`blocks`): ``P
 saved bytes and ``out`` output bytes per token, ``fwd + attn·s`` forward FLOPs per token of a row of ``s`` tokens
 (attention grows with the row), backward twice the forward. Clusters are the fixtures' (1 TFLOP/s sustained, 1 GB/s
 links unless a test says otherwise), with no memory reserve. Expected bytes are derived by hand from the models in
-the docstrings of :mod:`nbtrain.planner.buckets` and :mod:`nbtrain.planner.bucket_search`; where a test checks a
+the docstrings of :mod:`nbtrain.planner.switching.buckets` and :mod:`nbtrain.planner.switching.bucket_search`; where a test checks a
 choice, a comment gives the arithmetic that makes it the right one, and one test compares the search with trying
 every merging and every strategy per bucket through ``CostModel.estimate``.
 """
@@ -21,10 +21,11 @@ from fractions import Fraction
 import pytest
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
-from nbtrain.planner.bucket_search import received_fraction, switch_cost
-from nbtrain.planner.buckets import BucketOptions, merged_rows, plan_buckets
+from nbtrain.planner.switching.bucket_search import received_fraction, switch_cost
+from nbtrain.planner.switching.buckets import BucketOptions, merged_rows, plan_buckets
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.strategy import Plan, Strategy, strategy_space
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy, strategy_space
 from nbtrain.profiler.result import Scaling
 
 from tests.planner_fixtures import cluster, layer, profile

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import nbtrain
-import nbtrain.run.checkpoint as checkpoint_module
+import nbtrain.run.state.checkpoint as checkpoint_module
 from nbtrain.errors import CheckpointError, InvalidArgumentError, WorkerError
-from nbtrain.run.checkpoint import CheckpointFolder
+from nbtrain.run.state.checkpoint import CheckpointFolder
 from nbtrain.run.verify import LOSS_RTOL, WEIGHT_RTOL
 
 STEPS, SAVED_AT = 4, 2

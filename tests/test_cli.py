@@ -101,7 +101,7 @@ def test_llama_70b_is_profiled_by_the_console_command_without_allocating_its_wei
 
 
 def test_a_plan_file_for_more_devices_than_the_processes_asked_for_is_refused_before_launch(tmp_path, capsys):
-    from nbtrain.planner.strategy import Plan
+    from nbtrain.planner.plan import Plan
 
     plan = tmp_path / "plan.json"
     plan.write_text(Plan.parse("dp_shard=8", num_devices=8, num_layers=6).to_json())

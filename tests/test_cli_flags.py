@@ -180,7 +180,7 @@ def test_run_launches_the_plans_devices_and_passes_the_script_its_arguments(tmp_
     plan.write_text(subprocess.run([NBTRAIN, "plan", "gpt-tiny", "--gpus", "2", "--batch", "8", "--seq", "32",
                                     "--json"], capture_output=True, text=True, check=True, timeout=120).stdout)
     script = tmp_path / "train.py"
-    script.write_text("import pathlib, sys, torch.distributed as dist\nfrom nbtrain.run.launch import current_plan\n"
+    script.write_text("import pathlib, sys, torch.distributed as dist\nfrom nbtrain.run.launch.script import current_plan\n"
                       f"pathlib.Path({str(tmp_path)!r}, f'rank{{dist.get_rank()}}.txt').write_text("
                       "f'of {dist.get_world_size()} {current_plan().num_devices} {sys.argv[1:]}')\n")
     shown = subprocess.run([NBTRAIN, "run", str(script), "--plan", str(plan), "--", "--lr", "3e-4"],

@@ -25,7 +25,8 @@ import pytest
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost import GiB, CostModel, CostOptions, Memory, estimate
-from nbtrain.planner.strategy import Plan, Strategy, strategy_space
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy, strategy_space
 from nbtrain.profiler.result import Scaling
 
 from tests.planner_fixtures import cluster, layer, per_token, profile

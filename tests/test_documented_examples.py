@@ -232,7 +232,7 @@ def test_docstring_examples(doc, tmp_path, monkeypatch):
             failed, report = fx.run_examples(doc, doc.examples, fx.docstring_namespace(doc))
             assert not failed, report
             return
-        from nbtrain.run.launch import launch
+        from nbtrain.run.launch.workers import launch
 
         there = doc.examples[:workers.here_from]
         ranks = launch(fx.run_in_worker, doc, there, workers.setup, num_processes=workers.processes, timeout=300)

@@ -254,7 +254,7 @@ def _(e):
 
 @case("a plan for more devices than launched", "Python")
 def _(e):
-    from nbtrain.planner.strategy import Plan
+    from nbtrain.planner.plan import Plan
 
     model = tiny_gpt()
     plan = Plan.parse("dp_shard=4", num_devices=4, num_layers=3, global_batch=4, seq_len=8)
@@ -449,7 +449,7 @@ case("checkpoint flags without `--launch`", "magic")(
 
 @case("a checkpoint left half-written (a worker killed while saving)", "Python", pytest.mark.slow, NO_GPU)
 def _(e):
-    import nbtrain.run.checkpoint as checkpoint_module
+    import nbtrain.run.state.checkpoint as checkpoint_module
 
     real = checkpoint_module.write_shards
 
@@ -503,7 +503,7 @@ def _plan(model: str, gpus: int, batch: int, **kwargs):
 
 
 def _parse(text: str):
-    from nbtrain.planner.strategy import Plan
+    from nbtrain.planner.plan import Plan
 
     return Plan.parse(text, num_devices=8, num_layers=14)
 
@@ -639,7 +639,7 @@ Python's error type."""
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """The working folder, with what the README's rows name in it."""
-    from nbtrain.planner.strategy import Plan
+    from nbtrain.planner.plan import Plan
 
     root = tmp_path_factory.mktemp("errors").resolve()
     (root / "mods.py").write_text(files.MODS)

@@ -82,7 +82,7 @@ def test_bf16_compute_with_fp32_master_weights_trains_close_to_fp32():
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2", "pp=2 mb=2"])
 def test_weights_saved_sharded_with_dcp_load_into_a_fresh_model_equal_to_the_gathered_ones(tmp_path, plan):
-    from nbtrain.run.weights import load_saved
+    from nbtrain.run.state.weights import load_saved
 
     data = tiny_batches(256)
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def test_weights_saved_sharded_with_dcp_load_into_a_fresh_model_equal_to_the_gat
 
 def test_loading_a_folder_without_a_checkpoint_says_so(tmp_path):
     from nbtrain.errors import InvalidArgumentError
-    from nbtrain.run.weights import load_saved
+    from nbtrain.run.state.weights import load_saved
 
     with pytest.raises(InvalidArgumentError, match="holds no checkpoint"):
         load_saved(nbtrain.build_preset("llama-tiny", device="cpu"), tmp_path)

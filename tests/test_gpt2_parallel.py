@@ -57,7 +57,7 @@ def test_a_gpt2_checkpoint_saved_under_one_plan_resumes_under_another_with_the_u
     reference, reference_model = _train(saved, 3)
     _train(saved, 2, checkpoint_dir=tmp_path, checkpoint_every=1)
     # one name for the tied weight, the embedding's; the fused q|k|v saved whole (its global view)
-    from nbtrain.run.checkpoint import CheckpointFolder
+    from nbtrain.run.state.checkpoint import CheckpointFolder
 
     shapes = CheckpointFolder(tmp_path).latest().saved_shapes()
     assert "model.transformer.wte.weight" in shapes and "model.lm_head.weight" not in shapes
@@ -76,10 +76,10 @@ def _shards_of_a_gpt2_block(model):
     """In each of 2 workers: the block's c_attn after parallelize under tp=2, and what the split block computes."""
     import torch.distributed as dist
 
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.mesh import PlanMeshes
+    from nbtrain.planner.plan import Plan
+    from nbtrain.run.parallel.mesh import PlanMeshes
     from nbtrain.models.description import layer_slots
-    from nbtrain.run.parallelize import parallelize
+    from nbtrain.run.parallel.parallelize import parallelize
 
     torch.manual_seed(1)
     x = torch.randn(2, 5, model.config.n_embd)

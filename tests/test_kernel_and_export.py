@@ -12,7 +12,7 @@ from nbtrain.cli import main
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.notebook.export import export_cell, outside_names
 from nbtrain.notebook.kernel import SPEC, install_kernel
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

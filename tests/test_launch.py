@@ -1,4 +1,4 @@
-"""nbtrain.run.launch: forked workers in one gloo group, rank 0's result back, a failing rank named, nothing left.
+"""nbtrain.run.launch.workers: forked workers in one gloo group, rank 0's result back, a failing rank named, nothing left.
 
 Every launch here carries ``timeout=`` (the workers are killed past it), and a watchdog ends the whole test process
 with a traceback if a test itself hangs: a hang fails, it never stalls CI. The two tests that need a parent in a
@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import nbtrain.run.launch as launch_module
+import nbtrain.run.launch.workers as launch_module
 from nbtrain.errors import InvalidArgumentError, LaunchError, LaunchTimeoutError, NbtrainError, WorkerError
-from nbtrain.run.launch import launch, rank_print
+from nbtrain.run.launch.workers import launch, rank_print
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) path; GPUs take nccl")
 LIMIT = 60  # seconds any launch here may take
@@ -123,7 +123,7 @@ def test_a_failing_rank_raises_worker_error_naming_it_within_seconds_and_leaves_
     assert isinstance(error, NbtrainError) and error.rank == 1
     assert str(error).startswith("rank 1 of 2 failed: ValueError: boom")
     assert "Traceback" in str(error) and 'raise ValueError("boom")' in error.worker_traceback
-    assert "nbtrain/run/launch.py" not in error.worker_traceback  # only the user's frames
+    assert "nbtrain/run/launch/workers.py" not in error.worker_traceback  # only the user's frames
 
 
 def test_a_rank_killed_by_a_signal_is_named_too(no_process_left):
@@ -213,7 +213,7 @@ def test_a_busy_port_is_never_the_failure(monkeypatch, no_process_left):
             launch(noop, num_processes=2, port=taken)
         # A free port picked by launch that another process takes before the agent binds it: picked again.
         picks = iter([taken])
-        monkeypatch.setattr(launch_module, "_free_port", lambda: next(picks, 0) or _free_port())
+        monkeypatch.setattr(launch_module, "free_port", lambda: next(picks, 0) or _free_port())
         assert launch(os.getpid, num_processes=2, timeout=LIMIT) != os.getpid()
 
 
@@ -250,7 +250,7 @@ def test_rank_print_prefixes_the_rank_and_writes_one_piece(monkeypatch, capsys):
 
 def run_script(body: str) -> subprocess.CompletedProcess:
     script = "import os, sys, time, signal, threading, multiprocessing, psutil, torch\n" \
-             "import torch.distributed as dist\nfrom nbtrain.run.launch import launch, rank_print\n"
+             "import torch.distributed as dist\nfrom nbtrain.run.launch.workers import launch, rank_print\n"
     return subprocess.run(["timeout", "-k", "5", str(LIMIT), sys.executable, "-c", script + textwrap.dedent(body)],
                           capture_output=True, text=True, timeout=LIMIT + 10)
 
@@ -351,7 +351,7 @@ def test_under_torchrun_ranks_that_leave_collectives_in_flight_end_cleanly(tmp_p
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
-        from nbtrain.run.launch import launch, rank_print
+        from nbtrain.run.launch.workers import launch, rank_print
         def pending():
             works = [dist.all_reduce(torch.ones(1_000_000), async_op=True) for _ in range(40)]
             return dist.get_world_size()

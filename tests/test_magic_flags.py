@@ -16,7 +16,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 
 TINY = ("import nbtrain\n"
         "model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, "

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 
 TINY = ("import nbtrain\n"
         "model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, "
@@ -187,11 +187,11 @@ def test_export_refuses_a_cell_that_needs_values_from_earlier_cells(shell, tmp_p
 
 
 def test_running_the_same_cell_again_does_not_profile_again(shell, monkeypatch):
-    import nbtrain
+    import nbtrain.notebook.cell as cell
 
     calls = []
-    real = nbtrain.profile
-    monkeypatch.setattr(nbtrain, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cell.profile
+    monkeypatch.setattr(cell, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
     body = TINY.replace("n_layer=2", "n_layer=3")  # a shape no other test planned
     assert run(shell, "--gpus 2 --batch 4 -q", body).success
     assert run(shell, "--gpus 4 --batch 8 -q", body).success  # a new model object, the same structure

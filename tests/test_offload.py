@@ -18,8 +18,9 @@ from nbtrain.errors import InvalidArgumentError
 from nbtrain.models import GPT, GPTConfig
 from nbtrain.notebook.plots import timeline_plot
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.offload import OffloadedAdamW
-from nbtrain.run.offload_split import balanced_offload, cut_layer, step_period
+from nbtrain.run.offload.optimizer import OffloadedAdamW
+from nbtrain.planner.offload_split import balanced_offload, step_period
+from nbtrain.run.offload.split import cut_layer
 from tests.distributed_fixtures import BATCH, GPT_TINY, batches, gloo_worker, spawn_group
 
 STEPS = 6

@@ -84,8 +84,8 @@ def test_transformers_gpt2_trains_with_the_losses_of_one_process(hf_gpt2_runs, p
 def test_a_model_without_a_tensor_parallel_split_refuses_tp_with_the_reason():
     pytest.importorskip("transformers")
     from nbtrain.errors import InvalidPlanError
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.parallelize import check_plan
+    from nbtrain.planner.plan import Plan
+    from nbtrain.run.parallel.parallelize import check_plan
 
     model = hf_gpt2(add_cross_attention=True)
     plan = Plan.parse("0: dp_replicate=2; 1-2: tp=2; 3: dp_replicate=2", num_devices=2, num_layers=4)
@@ -107,8 +107,8 @@ def test_a_tp_degree_that_does_not_divide_a_blocks_heads_is_refused_before_launc
     if build is hf_llama:
         pytest.importorskip("transformers")
     from nbtrain.errors import InvalidPlanError
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.parallelize import check_plan
+    from nbtrain.planner.plan import Plan
+    from nbtrain.run.parallel.parallelize import check_plan
 
     with pytest.raises(InvalidPlanError) as error:
         check_plan(build(), Plan.parse(plan, num_devices=devices, num_layers=4))
@@ -116,8 +116,8 @@ def test_a_tp_degree_that_does_not_divide_a_blocks_heads_is_refused_before_launc
 
 
 def test_tp_that_divides_the_heads_and_tp_of_the_embedding_and_head_pass_the_check():
-    from nbtrain.planner.strategy import Plan
-    from nbtrain.run.parallelize import check_plan
+    from nbtrain.planner.plan import Plan
+    from nbtrain.run.parallel.parallelize import check_plan
 
     # 4 ways over the vocabulary of the embedding and the head is no head split; 2 divides the 2 key/value heads
     plan = Plan.parse("0: tp=4; 1-2: dp_replicate=2 tp=2; 3: tp=4", num_devices=4, num_layers=4)

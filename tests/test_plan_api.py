@@ -12,7 +12,7 @@ from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
 from nbtrain.planner.cost import Prediction
 from nbtrain.planner.recommend import baselines
 from nbtrain.planner.report import comparison_table
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 
 GiB = 2**30
 

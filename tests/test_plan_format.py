@@ -17,7 +17,8 @@ import pytest
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner import grammar, strategy as strategy_module
-from nbtrain.planner.strategy import Plan, Strategy, strategy_space
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy, strategy_space
 
 S = Strategy
 

@@ -230,7 +230,7 @@ def llama7b():
 
 def test_the_search_never_mixes_cpu_offload_with_tp_which_the_executor_refuses(llama7b):
     # llama-7b on 8 × 8 GiB needs the CPU update offload; the executor offloads only plans with tp=1 on every
-    # layer (nbtrain.run.parallelize.check_plan), and the search used to return '0: tp=8; 1-13: ... offload=0.5'
+    # layer (nbtrain.run.parallel.parallelize.check_plan), and the search used to return '0: tp=8; 1-13: ... offload=0.5'
     best = nbtrain.plan(llama7b, h100s(memory="8GiB"), global_batch=8, seq_len=2048)
     assert any(s.offload for s in best.layers)
     for plan in (best, *best.alternatives):

@@ -23,7 +23,7 @@ except ImportError:
     try:
         from nbtrain.models.description import layer_slots as layer_modules
     except ImportError:
-        from nbtrain.run.parallelize import layer_modules
+        from nbtrain.run.parallel.parallelize import layer_modules
 
 # model -> (profiler inputs, loss, global batches); None: the profiler's default token batch and next-token loss
 WORKLOADS = {

@@ -27,10 +27,10 @@ def _worker(rank, world, port, layouts, queue):
     with gloo_worker(rank, world, port, queue) as report:
         import torch.distributed as dist
 
-        from nbtrain.planner.strategy import Plan
-        from nbtrain.run.mesh import PlanMeshes, local_shard
-        from nbtrain.run.parallelize import parallelize
-        from nbtrain.run.reshard import ReshardPlan
+        from nbtrain.planner.plan import Plan
+        from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
+        from nbtrain.run.parallel.parallelize import parallelize
+        from nbtrain.run.switching.reshard import ReshardPlan
 
         models = {}
         for i, layout in enumerate(layouts):

@@ -6,7 +6,7 @@ import pytest
 
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.scale import scale_plan
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 
 
 def parse(text: str, devices: int, layers: int = 6, **kw) -> Plan:

@@ -79,7 +79,7 @@ def test_sys_exit_with_a_nonzero_status_on_one_rank_is_its_failure_named_with_th
 
 @pytest.mark.slow
 def test_a_rank_that_ends_early_while_another_waits_in_a_collective_is_named_at_the_timeout():
-    code = ("from nbtrain.run.launch import launch, run_script\n"
+    code = ("from nbtrain.run.launch.script import run_script\nfrom nbtrain.run.launch.workers import launch\n"
             f"try:\n    launch(run_script, {str(SCRIPTS / 'rank_1_ends_early.py')!r}, [], num_processes=2, timeout=8)\n"
             "except Exception as error:\n    print(f'{type(error).__name__}: {error}')\n")
     done = command(sys.executable, "-c", code)
@@ -96,10 +96,10 @@ def test_a_rank_that_ends_early_is_named_when_the_collectives_time_out_without_a
     # nbtrain run passes no timeout: the collectives' own (30 min; 6 s here) ends the wait, first on the rank that
     # ended (it waited longest), which says why
     code = ("import datetime\n"
-            "import nbtrain.run.launch as launch_module\n"
+            "import nbtrain.run.launch.workers as launch_module\nfrom nbtrain.run.launch.script import run_script\n"
             "launch_module._PG_TIMEOUT = datetime.timedelta(seconds=6)\n"
             "try:\n"
-            f"    launch_module.launch(launch_module.run_script, {str(SCRIPTS / 'rank_1_ends_early.py')!r}, [], "
+            f"    launch_module.launch(run_script, {str(SCRIPTS / 'rank_1_ends_early.py')!r}, [], "
             "num_processes=2)\n"
             "except Exception as error:\n    print(error.summary)\n")
     done = command(sys.executable, "-c", code)

@@ -1,4 +1,4 @@
-"""nbtrain.run.stacks: a hung launch's faulthandler dumps read into where each rank was, and which rank hung.
+"""nbtrain.run.launch.stacks: a hung launch's faulthandler dumps read into where each rank was, and which rank hung.
 
 The dumps below are what two forked workers wrote on SIGUSR1 (rank 1 asleep in ``load_shard``, rank 0 in
 ``dist.all_reduce`` with a prefetch thread beside it), with the paths of a user's machine put in. Below the
@@ -11,14 +11,14 @@ import faulthandler
 import inspect
 import threading
 
-from nbtrain.run.stacks import Frame, describe_ranks, explain_hang
+from nbtrain.run.launch.stacks import Frame, describe_ranks, explain_hang
 
 SITE = "/home/ada/project/.venv/lib/python3.11/site-packages"
 TRAIN = "/home/ada/project/train.py"
 
 FORKED_FROM_THE_PARENT = f"""\
-  File "/home/ada/project/nbtrain/run/launch.py", line 243 in _run_in_group
-  File "/home/ada/project/nbtrain/run/launch.py", line 202 in __call__
+  File "/home/ada/project/nbtrain/run/launch/workers.py", line 243 in _run_in_group
+  File "/home/ada/project/nbtrain/run/launch/workers.py", line 202 in __call__
   File "{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367 in wrapper
   File "{SITE}/torch/distributed/elastic/multiprocessing/api.py", line 706 in _wrap
   File "{SITE}/torch/multiprocessing/spawn.py", line 87 in _wrap
@@ -43,8 +43,8 @@ FORKED_FROM_THE_PARENT = f"""\
   File "{SITE}/torch/distributed/launcher/api.py", line 374 in launch_agent
   File "{SITE}/torch/distributed/launcher/api.py", line 194 in __call__
   File "{SITE}/accelerate/launchers.py", line 261 in notebook_launcher
-  File "/home/ada/project/nbtrain/run/launch.py", line 141 in _fork_and_run
-  File "/home/ada/project/nbtrain/run/launch.py", line 105 in launch
+  File "/home/ada/project/nbtrain/run/launch/workers.py", line 141 in _fork_and_run
+  File "/home/ada/project/nbtrain/run/launch/workers.py", line 105 in launch
   File "{TRAIN}", line 30 in <module>
 """
 
@@ -94,7 +94,7 @@ RANK_0_IN_THE_LAUNCHS_CLOSING_BARRIER = f"""\
 Current thread 0x00007f298c686b80 (most recent call first):
   File "{SITE}/torch/distributed/distributed_c10d.py", line 4981 in barrier
   File "{SITE}/torch/distributed/c10d_logger.py", line 83 in wrapper
-  File "/home/ada/project/nbtrain/run/launch.py", line 248 in _run_in_group
+  File "/home/ada/project/nbtrain/run/launch/workers.py", line 248 in _run_in_group
 """ + FORKED_FROM_THE_PARENT.split("\n", 1)[1]
 
 

@@ -59,7 +59,7 @@ def reference():
 
 def _worker(rank, world, port, strategies, offload, queue):
     with gloo_worker(rank, world, port, queue) as report:
-        from nbtrain.run.switching import HotSwitching
+        from nbtrain.run.switching.hot import HotSwitching
 
         switching = HotSwitching(lambda: GPT(GPT_TINY), strategies, lr=LR, offload=offload)
         records = [switching.step(step_batches(step)) for step in range(STEPS)]
@@ -106,7 +106,7 @@ def test_switching_with_the_home_update_offloaded_to_the_cpu():
 
 def _checkpointing_worker(rank, world, port, queue):
     with gloo_worker(rank, world, port, queue) as report:
-        from nbtrain.run.switching import HotSwitching
+        from nbtrain.run.switching.hot import HotSwitching
 
         switching = HotSwitching(lambda: GPT(GPT_TINY), {8: "dp_shard=2", 16: "dp_shard=2 ac", 32: "tp=2"}, lr=LR)
         shared = switching.layouts[next(k for k in switching.layouts if k.tp == 1)]

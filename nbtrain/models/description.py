@@ -128,7 +128,7 @@ class ModelDescription:
     stages: str = ""
     """How the executor runs a layer as a pipeline stage: ``layers`` (each layer takes and returns one tensor),
     ``hf-gpt2``, ``hf-rotary`` (a Hugging Face decoder with a pipeline plan and rotary embeddings), ``traced``
-    (any other model with repeated blocks: its forward traced and cut, nbtrain.run.traced_stages); empty: none."""
+    (any other model with repeated blocks: its forward traced and cut, nbtrain.run.parallel.traced_stages); empty: none."""
     no_pipeline: str = ""
     """Why the model cannot be cut into pipeline stages (empty: it can)."""
     ties: list = field(default_factory=list)

@@ -19,7 +19,18 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nbtrain.data import stdlib_batches
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.models.description import layer_slots
+from nbtrain.planner.planned import PlannedModel, plan_and_compare
+from nbtrain.planner.scale import scale_plan
+from nbtrain.planner.search import SearchOptions
+from nbtrain.profiler.hardware import Cluster
+from nbtrain.profiler.inputs import inputs_like
+from nbtrain.profiler.model import lm_loss, profile
+from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
+from nbtrain.run.fit import fit
+from nbtrain.units import parse_bytes
 
 LOCAL_SEQ = 128
 """Longest sequence a launch here trains on when the cell gives no data: CPU steps at 1024 tokens take seconds."""
@@ -58,23 +69,33 @@ def find_model(namespace: dict, before: dict[str, int], name: str | None = None)
 
 @dataclass
 class PlannedCell:
-    """What planning a cell's model produced."""
+    """What planning a cell's model produced: the model's name in the notebook and its
+    :class:`~nbtrain.planner.planned.PlannedModel` (profile, cluster, plan, baselines)."""
 
     name: str
-    profile: object
-    """The model's :class:`ModelProfile`."""
-    cluster: object
-    """The described :class:`Cluster`."""
-    plan: object
-    """The recommended (or the typed and evaluated) :class:`Plan`, with its prediction."""
-    baselines: list
-    """The uniform plans users know (DDP, FSDP, Megatron, ...), predicted on the same cluster."""
+    job: PlannedModel
+
+    @property
+    def profile(self):
+        return self.job.profile
+
+    @property
+    def cluster(self):
+        return self.job.cluster
+
+    @property
+    def plan(self):
+        """The recommended (or the typed and evaluated) :class:`Plan`, with its prediction."""
+        return self.job.plan
+
+    @property
+    def baselines(self) -> list:
+        """The uniform plans users know (DDP, FSDP, Megatron, ...), predicted on the same cluster."""
+        return self.job.baselines
 
 
 def check_data(data, name: str | None) -> None:
     """``--data``: a list (or other iterable) of global batches, or a function of the step that returns one."""
-    import torch
-
     if data is None:
         return
     if callable(data) and not isinstance(data, (nn.Module, torch.Tensor)):
@@ -155,22 +176,14 @@ def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int
                loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None) -> PlannedCell:
     """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags). ``data``
     (``--data``): for a model that takes no token ids, it is profiled on inputs shaped like the first batch."""
-    import nbtrain
-    from nbtrain.planner.recommend import baselines
-    from nbtrain.planner.search import SearchOptions
-
-    from nbtrain.units import parse_bytes
-
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn, _inputs_for(model, data), tp_plan)
-    cluster = nbtrain.Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
-    batch = batch or 4 * gpus
+    cluster = Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
     # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
     options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
-    best = nbtrain.plan(profile, cluster, global_batch=batch, seq_len=seq, memory=memory, strategy=strategy,
-                        top=top, options=options)
-    known = baselines(profile, cluster, global_batch=batch, seq_len=seq, memory=memory)
-    return PlannedCell(name, profile, cluster, best, known)
+    job = plan_and_compare(profile, cluster, global_batch=batch or 4 * gpus, seq_len=seq, memory=memory,
+                           strategy=strategy, top=top, options=options)
+    return PlannedCell(name, job)
 
 
 _PROFILES: dict = {}
@@ -181,8 +194,6 @@ same shape) plans again without profiling again."""
 def _inputs_for(model: nn.Module, data):
     """Profiler inputs like ``data``'s first batch when it is not token ids for a language model (None: the
     profiler's own; a token model's batch of the wrong dtype is refused by the batch checks, with its own message)."""
-    from nbtrain.profiler.inputs import inputs_like
-    from nbtrain.run.batches import is_token_ids, model_vocab_size
 
     if data is None or callable(data):
         first = data(0) if callable(data) else None
@@ -196,8 +207,6 @@ def _inputs_for(model: nn.Module, data):
 
 
 def _profile(model: nn.Module, name: str, seq: int | None, dtype: str, loss_fn, inputs=None, tp_plan=None):
-    import nbtrain
-
     key_loss = getattr(loss_fn, "__wrapped_loss__", loss_fn)  # one loss, however often a cell wraps it
     structure = (type(model).__qualname__, name, seq, dtype, key_loss, getattr(inputs, "key", None), repr(tp_plan),
                  tuple((k, tuple(p.shape), p.dtype) for k, p in model.named_parameters()),
@@ -205,8 +214,8 @@ def _profile(model: nn.Module, name: str, seq: int | None, dtype: str, loss_fn, 
     if structure not in _PROFILES:
         if len(_PROFILES) >= 8:
             _PROFILES.pop(next(iter(_PROFILES)))
-        _PROFILES[structure] = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype=dtype, loss_fn=loss_fn,
-                                               name=name, inputs=inputs, tp_plan=tp_plan)
+        _PROFILES[structure] = profile(model, batch_size=1, seq_len=seq, dtype=dtype, loss_fn=loss_fn, name=name,
+                                       inputs=inputs, tp_plan=tp_plan)
     return _PROFILES[structure]
 
 
@@ -219,7 +228,6 @@ def _dtype(text: str) -> str:
 
 def vocab_size(model: nn.Module) -> int:
     """The token ids to make batches for ``model`` with, or an error saying to give data (``--data``)."""
-    from nbtrain.run.batches import model_vocab_size
 
     vocab = model_vocab_size(model)
     if not vocab:
@@ -235,12 +243,6 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
     are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
     ``checkpoint_dir``, ``checkpoint_every`` and ``resume`` are :func:`nbtrain.fit`'s."""
-    import nbtrain
-    from nbtrain.demo import stdlib_batches
-    from nbtrain.planner.scale import scale_plan
-    from nbtrain.profiler.model import lm_loss
-    from nbtrain.models.description import layer_slots
-    from nbtrain.run.batches import batch_shape, check_batch, model_vocab_size
 
     layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
@@ -261,7 +263,7 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
         local = scale_plan(plan, processes, seq_len=seq)
         data = stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
     # this machine's cluster, for the prediction beside the measurement (fit narrows it to the processes)
-    here = nbtrain.Cluster.detect(calibrate=False)
-    return nbtrain.fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
+    here = Cluster.detect(calibrate=False)
+    return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
                        checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan)

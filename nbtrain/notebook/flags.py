@@ -81,7 +81,7 @@ def _check_checkpoint_flags(args) -> None:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every}: add --checkpoint-dir DIR, the folder the "
                          "checkpoints go in")
     if args.checkpoint_dir and not args.resume:
-        from nbtrain.run.checkpoint import CheckpointFolder
+        from nbtrain.run.state.checkpoint import CheckpointFolder
 
         latest = CheckpointFolder(Path(args.checkpoint_dir).expanduser()).latest()
         if latest is not None:
@@ -109,7 +109,8 @@ def _check_scalable(gpus: int, processes: int) -> None:
     """The launch runs the plan for ``--gpus`` devices scaled to ``--processes``: refuse a count it cannot reach
     before anything is planned, with the launch's own message."""
     from nbtrain.planner.scale import scale_plan
-    from nbtrain.planner.strategy import Plan, Strategy
+    from nbtrain.planner.plan import Plan
+    from nbtrain.planner.strategy import Strategy
 
     try:
         scale_plan(Plan(num_devices=gpus, layers=(Strategy(dp_replicate=gpus),)), processes)

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
+from nbtrain.planner.recommend import plan
+from nbtrain.profiler.hardware import Cluster
+from nbtrain.profiler.model import profile as run_profile
+
 GiB = 2**30
 
 # -- the givens, one place: the notebook's questions quote them ------------------------------------------------
@@ -73,31 +77,23 @@ def reset() -> None:
 @lru_cache(maxsize=None)
 def profile():
     """The profile of :data:`MODEL` at one sequence of :data:`SEQ_LEN` tokens (bf16), computed once."""
-    import nbtrain
-
-    return nbtrain.profile(MODEL, batch_size=1, seq_len=SEQ_LEN)
+    return run_profile(MODEL, batch_size=1, seq_len=SEQ_LEN)
 
 
 @lru_cache(maxsize=None)
 def cluster():
     """Eight 24 GiB cards: the catalog's RTX 4090."""
-    import nbtrain
-
-    return nbtrain.Cluster.from_catalog(DEVICE, num_devices=NUM_DEVICES, device_memory=f"{MEMORY_GIB}GiB")
+    return Cluster.from_catalog(DEVICE, num_devices=NUM_DEVICES, device_memory=f"{MEMORY_GIB}GiB")
 
 
 def evaluate(plan_text: str):
     """nbtrain's prediction for a typed plan on the lab's model and cluster (a Plan with ``.predicted``)."""
-    import nbtrain
-
-    return nbtrain.plan(profile(), cluster(), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, strategy=plan_text)
+    return plan(profile(), cluster(), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, strategy=plan_text)
 
 
 @lru_cache(maxsize=None)
 def _recommended():
-    import nbtrain
-
-    return nbtrain.plan(profile(), cluster(), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
+    return plan(profile(), cluster(), global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
 
 
 # -- reading answers ---------------------------------------------------------------------------------------------
@@ -198,7 +194,7 @@ def _memory_line(memory) -> str:
 def check_fits_24gib(answer) -> bool:
     """Right when nbtrain's cost model says the plan fits 24 GiB per device for the lab's model and batch."""
     from nbtrain.errors import NbtrainError
-    from nbtrain.planner.strategy import Plan
+    from nbtrain.planner.plan import Plan
     from nbtrain.units import format_seconds
 
     text = str(answer) if isinstance(answer, Plan) else answer

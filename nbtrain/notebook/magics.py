@@ -179,7 +179,7 @@ class AutoparallelMagics(Magics):
 def _local_devices() -> int:
     """The processes a launch here uses by default: one per visible GPU (counted without initialising CUDA, which
     would break the workers' fork), else 2 CPU processes."""
-    from nbtrain.run.launch import visible_gpus
+    from nbtrain.run.launch.workers import visible_gpus
 
     return visible_gpus() or 2
 

@@ -24,7 +24,7 @@ import sys
 import textwrap
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 from nbtrain.units import format_bytes
 
 GiB = 2**30

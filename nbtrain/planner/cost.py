@@ -56,7 +56,8 @@ from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.strategy import Plan, Strategy, head_split_problem
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 

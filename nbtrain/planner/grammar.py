@@ -1,6 +1,6 @@
 """The compact plan form: what users type in a notebook cell and what ``str(plan)`` prints back.
 
-    >>> from nbtrain.planner.strategy import Plan
+    >>> from nbtrain.planner.plan import Plan
     >>> plan = Plan.parse("pp=2 mb=8 | 0-11: tp=2 ac; 12-23: dp_shard=2", num_devices=8, num_layers=24)
     >>> str(plan.layers[0]), str(plan.layers[23])
     ('dp_replicate=2 tp=2 ac', 'dp_replicate=2 dp_shard=2')
@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import difflib
 import re
+from typing import TYPE_CHECKING
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.strategy import SCHEDULES, Plan, Strategy, _even_split, _positive_int
+from nbtrain.planner.strategy import SCHEDULES, Strategy, even_split, plan_int
+
+if TYPE_CHECKING:  # the plan module imports this one: plans are read and written here, built there
+    from nbtrain.planner.plan import Plan
 
 PIPELINE_KEYS = ("pp", "mb", "schedule", "stages")
 LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "ac", "offload")
@@ -49,7 +53,7 @@ def format_plan(plan: Plan) -> str:
     parts = []
     if plan.pp > 1 or plan.microbatches > 1:
         pipe = [f"pp={plan.pp}", f"mb={plan.microbatches}"] + ([f"schedule={plan.schedule}"] if plan.pp > 1 else [])
-        if plan.stages != _even_split(plan.num_layers, plan.pp):
+        if plan.stages != even_split(plan.num_layers, plan.pp):
             pipe.append("stages=" + "+".join(map(str, plan.stages)))
         parts.append(" ".join(pipe))
     runs: list[list] = []  # [first, last, strategy]
@@ -70,8 +74,8 @@ def parse_plan(text: str, *, num_devices: int, num_layers: int) -> dict:
     Every mistake raises InvalidPlanError with one line that quotes the offending token and the expected form."""
     if not isinstance(text, str):
         raise InvalidPlanError(f"a plan is a string like {_FORM}, not a {type(text).__name__}")
-    num_devices = _positive_int(num_devices, "num_devices", "the plan needs at least one device")
-    num_layers = _positive_int(num_layers, "num_layers", "the model has at least one layer")
+    num_devices = plan_int(num_devices, "num_devices", "the plan needs at least one device")
+    num_layers = plan_int(num_layers, "num_layers", "the model has at least one layer")
     sections = text.split("|")
     if len(sections) > 2:
         raise InvalidPlanError(f"{text!r} has {len(sections) - 1} '|'; use one, between the pipeline part and the "

@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nbtrain.checks import power_of_two_divisors
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.search import SearchOptions, cuts_stages, executor_problem, keeps_tie_whole, leanest, search
-from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 from nbtrain.units import format_bytes
@@ -40,16 +42,12 @@ class Baseline:
         return self.plan is not None and self.plan.predicted.fits
 
 
-def _power_of_two_divisors(n: int) -> list[int]:
-    return [2**k for k in range(n.bit_length()) if n % 2**k == 0]
-
-
 def baselines(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
               memory: float | None = None, cost_options: CostOptions = CostOptions()) -> list[Baseline]:
     """DDP, FSDP (ZeRO-3), Megatron TP inside a node, TP + PP, and ZeRO-Offload (update after backward)."""
     n, node = cluster.num_devices, cluster.devices_per_node
     heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head") or n
-    tp = max(t for t in _power_of_two_divisors(min(n, node)) if heads % t == 0)
+    tp = max(t for t in power_of_two_divisors(min(n, node)) if heads % t == 0)
     tp_pp = tp if n // tp > 1 else max(tp // 2, 1)  # one node: split it between TP and a 2-stage pipeline
     families = [
         ("DDP", 1, Strategy(dp_replicate=n), cost_options),
@@ -147,7 +145,7 @@ def _and(items: list[str]) -> str:
 
 
 def _largest_power_of_two_dividing(n: int, at_most: int) -> int:
-    return max(k for k in _power_of_two_divisors(n) if k <= at_most) if at_most >= 1 else 1
+    return max(k for k in power_of_two_divisors(n) if k <= at_most) if at_most >= 1 else 1
 
 
 def _need(need: float, budget: float) -> str:
@@ -217,12 +215,12 @@ def _no_split_message(profile, cluster, global_batch, options: SearchOptions) ->
     if profile.arch.get("no_tensor_parallel"):
         tp, why_tp = 1, f"no tensor parallelism ({profile.arch['no_tensor_parallel']})"
     else:
-        tp = max(t for t in _power_of_two_divisors(cap) if not heads or heads % t == 0) if cap >= 1 else 1
+        tp = max(t for t in power_of_two_divisors(cap) if not heads or heads % t == 0) if cap >= 1 else 1
         kv = profile.arch.get("n_kv_head") not in (None, profile.arch.get("n_head"))
         which = f"{heads} key/value heads" if kv else f"{heads} heads"
         why_tp = f"tp ≤ {tp} (inside a node of {node}" + (f", dividing the {which})" if heads else ")")
     pps = options.pp_degrees or ([1] if not cuts_stages(profile) else
-                                 [p for p in _power_of_two_divisors(n) if p <= layers])
+                                 [p for p in power_of_two_divisors(n) if p <= layers])
     pp = max([p for p in pps if n % p == 0 and p <= layers] or [1])
     most = pp * tp * dp
     return (f"{start}: at most pp={pp} stages ({layers} layers) × {why_tp} × dp={dp} (every data-parallel rank "

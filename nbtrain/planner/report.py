@@ -9,10 +9,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from nbtrain.planner.strategy import Plan
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:  # the plan module imports this one for its tables
+    from nbtrain.planner.plan import Plan
 
 
 def _layer_part(plan: Plan, start: int, end: int) -> str:

@@ -14,7 +14,8 @@ micro-batches shrink with the pipeline (as many per stage as planned: they were 
 from __future__ import annotations
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy
 
 
 def scale_plan(plan: Plan, num_devices: int, *, global_batch: int | None = None,

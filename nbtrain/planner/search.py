@@ -28,7 +28,8 @@ import numpy as np
 
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.frontier import Frontier
-from nbtrain.planner.strategy import Plan, Strategy, strategy_space
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy, strategy_space
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 
@@ -264,7 +265,7 @@ def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
                                                zero_levels=opts.zero_levels)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
                      and (s.tp == 1 or not unit or unit % s.tp == 0)]
-            # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallelize.check_plan), so
+            # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallel.parallelize.check_plan), so
             # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
             spaces = [[s for s in space if not s.offload]]
             if any(s.offload for s in space):
@@ -308,7 +309,7 @@ def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: floa
     """One solver per task the search may take; a tied embedding and head get one per strategy they may share
     (no TP: the executor keeps the shared weight whole, in one FSDP group)."""
     profile = model.profile
-    kinds = _layer_kinds(profile)
+    kinds = layer_kinds(profile)
     out = []
     for task in _tasks(model, _allowed(profile, options)):
         if not _is_tied(profile):
@@ -329,7 +330,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
                       options=cost_options)
     budget = model.budget - model.reserve
     found: list[tuple[float, Plan]] = []
-    kinds = _layer_kinds(profile)
+    kinds = layer_kinds(profile)
     if budget <= 0:  # the reserve alone fills the budget: nothing fits (recommend.py says so)
         return []
     grid = budget / options.memory_grid if options.memory_grid else 0.0
@@ -357,7 +358,7 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
     return [plan for _, plan in found[:top]]
 
 
-def _layer_kinds(profile: ModelProfile) -> list[int]:
+def layer_kinds(profile: ModelProfile) -> list[int]:
     """A small id per layer; two layers share it when their costs are equal under every strategy: the same
     profiled costs and the same input size (what TP collectives and re-layouts move)."""
     def signature(i: int):
@@ -401,7 +402,7 @@ def respects_ties(profile: ModelProfile, plan: Plan) -> bool:
 
 def executor_problem(profile: ModelProfile, plan: Plan) -> str:
     """Why nbtrain's executor cannot run ``plan`` (which the cost model can still predict), or ``""``; the search
-    never returns such a plan. Checked by ``nbtrain.run.parallelize.check_plan`` and PyTorch before a launch."""
+    never returns such a plan. Checked by ``nbtrain.run.parallel.parallelize.check_plan`` and PyTorch before a launch."""
     if not respects_ties(profile, plan) and not keeps_tie_whole(profile):
         return "the embedding and the head share their weight, so they need one strategy (the same on both)"
     if not respects_ties(profile, plan):

@@ -6,9 +6,13 @@ counts every layer.
 
 from __future__ import annotations
 
-from nbtrain.profiler.result import LayerProfile, ModelProfile
+from typing import TYPE_CHECKING
+
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_count, format_flops, format_seconds
+
+if TYPE_CHECKING:  # the result module imports this one for its tables
+    from nbtrain.profiler.result import LayerProfile, ModelProfile
 
 
 def _fold(layers: tuple[LayerProfile, ...]) -> list[tuple[str, int, LayerProfile]]:

@@ -14,6 +14,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 
+from nbtrain.profiler.report import profile_summary, profile_table
+
 QUANTITIES = ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes")
 
 # Transformer costs are sums of these terms: per-token work (b·s), attention scores (b·s²), per-sequence work
@@ -188,13 +190,9 @@ class ModelProfile:
 
     # -- display -----------------------------------------------------------------------------------
     def table(self):
-        from nbtrain.profiler.report import profile_table
-
         return profile_table(self)
 
     def summary(self) -> str:
-        from nbtrain.profiler.report import profile_summary
-
         return profile_summary(self)
 
     def __str__(self) -> str:

@@ -34,13 +34,14 @@ from torch import nn
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.models.description import describe
-from nbtrain.planner.strategy import Plan
-from nbtrain.profiler.model import lm_loss
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.cost import estimate
+from nbtrain.profiler.model import lm_loss, profile
 from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
-from nbtrain.run.checkpoint import Checkpoint, folder_for_run, with_resume_hint
-from nbtrain.run.traced_stages import check_traceable, example_microbatch
+from nbtrain.run.state.checkpoint import Checkpoint, folder_for_run, with_resume_hint
+from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.trainer import StepRecord, check_on_nonfinite
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_seconds
@@ -109,7 +110,7 @@ class FitResult:
             t.footer.append(f"last checkpoint: {self.checkpoint}")
         if self.save_dir:
             t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "
-                            "load them with nbtrain.run.weights.load_saved(model, save_dir)")
+                            "load them with nbtrain.run.state.weights.load_saved(model, save_dir)")
         return t
 
     def __str__(self) -> str:
@@ -153,11 +154,11 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     """Runs in every process: parallelize, train, then gather the weights to rank 0 or save them sharded."""
     import torch.distributed as dist
 
-    from nbtrain.run.mesh import PlanMeshes
-    from nbtrain.run.parallelize import parallelize
+    from nbtrain.run.parallel.mesh import PlanMeshes
+    from nbtrain.run.parallel.parallelize import parallelize
     from nbtrain.run.trainer import Trainer
-    from nbtrain.run.training_state import TrainingState
-    from nbtrain.run.weights import gather_trained, save_trained, trained_prefixes
+    from nbtrain.run.state.training_state import TrainingState
+    from nbtrain.run.state.weights import gather_trained, save_trained, trained_prefixes
 
     torch.manual_seed(run.seed)
     model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
@@ -166,7 +167,7 @@ def _worker(model, plan: Plan, get_batch, run: _Run):
     example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None
     model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example)
     if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
-        from nbtrain.run.offload import OffloadedAdamW
+        from nbtrain.run.offload.optimizer import OffloadedAdamW
 
         betas, eps, decay, _ = run.adamw
         optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
@@ -204,7 +205,7 @@ def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> lis
     returns every step's record (a resumed run's earlier ones first)."""
     import torch.distributed as dist
 
-    from nbtrain.run.checkpoint import CheckpointFolder, Progress
+    from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
 
     records = []
     if run.resume_from is not None:
@@ -267,7 +268,7 @@ def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, g
     the batch's rows and length where it gives none, checked against the model: a plan the model cannot take is one
     clear error here, not a failure in the workers."""
     from nbtrain.models.description import layer_slots
-    from nbtrain.run.parallelize import check_plan
+    from nbtrain.run.parallel.parallelize import check_plan
 
     if isinstance(plan, str):
         plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_slots(model)),
@@ -308,19 +309,19 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     fp32 master weights, optimizer state and gradient reduction. ``lr_schedule(step)`` multiplies ``lr``
     (``LambdaLR``). ``save_dir`` saves the trained weights there with ``torch.distributed.checkpoint`` (each rank
     its shards; for models too large to gather in one process) instead of loading them back; read them with
-    :func:`nbtrain.run.weights.load_saved`. ``timeout`` (seconds) bounds the whole run and every collective: past
+    :func:`nbtrain.run.state.weights.load_saved`. ``timeout`` (seconds) bounds the whole run and every collective: past
     it the workers are killed and :class:`LaunchTimeoutError` is raised. A step whose loss is NaN or infinite stops
     the run before its update (:class:`~nbtrain.errors.NonFiniteLossError`), or with ``on_nonfinite="skip"`` is
     skipped (no update, nor a step of ``lr_schedule``; its record says ``skipped``).
 
     ``checkpoint_dir`` saves the run there every ``checkpoint_every`` steps and after the last (sharded, each rank
     its part: weights, AdamW state, also an offloaded one, the data position, the schedule, RNG and loss history;
-    :mod:`nbtrain.run.checkpoint`). ``resume=True`` goes on from its newest complete checkpoint — under this call's
+    :mod:`nbtrain.run.state.checkpoint`). ``resume=True`` goes on from its newest complete checkpoint — under this call's
     plan and process count, whatever the saving run's were — to ``steps`` steps in all; with none there yet it starts
     afresh. If the run fails or is interrupted, the error says where the last checkpoint is.
 
     The optimizer is AdamW (``betas``, ``eps``, ``weight_decay``: torch's defaults), fused; with CPU update offload
-    the same update, run by :class:`~nbtrain.run.offload.OffloadedAdamW`. ``decay_norms_and_biases=False`` exempts
+    the same update, run by :class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`. ``decay_norms_and_biases=False`` exempts
     the 1-D parameters (norm weights, biases) from weight decay, as GPT-2's and LLaMA's recipes do (not with
     offload, whose update takes one weight decay per layer). ``optimizer`` replaces it with the user's own: a
     factory called in every process on that process's parameter groups (``lambda groups: torch.optim.SGD(groups,
@@ -330,7 +331,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     styles, ``{"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}``, :mod:`nbtrain.models.tensor_parallel`)
     splits a model that carries no tensor-parallel plan of its own."""
     from nbtrain.models.description import check_tensor_parallel_plan
-    from nbtrain.run.launch import launch, launched_externally, runs_in_this_process
+    from nbtrain.run.launch.workers import launch, launched_externally, runs_in_this_process
 
     if not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
@@ -372,16 +373,14 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         plan = plan.replace(global_batch=plan.global_batch * accumulate, microbatches=plan.microbatches * accumulate)
     predicted = predicted_memory = None
     if cluster is not None:
-        import nbtrain
-
         if cluster.num_devices != num_processes and cluster.num_nodes == 1:
             # Cluster.detect() counts every core (or GPU) of this machine; the run uses num_processes of them
             cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
         first = get_batch(0)  # a model without token ids is profiled on inputs shaped like its batches
         inputs = None if is_token_ids(first[0]) else inputs_like(first)
-        prof = nbtrain.profile(model, batch_size=1, seq_len=length, dtype="fp32", inputs=inputs,
-                               loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
-        prediction = nbtrain.estimate(plan, prof, cluster)
+        prof = profile(model, batch_size=1, seq_len=length, dtype="fp32", inputs=inputs,
+                       loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
+        prediction = estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)
     run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,

@@ -31,11 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from nbtrain.data import IGNORE
 from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.models.adapters import detect_family
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.profiler.trace import call_model
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
-from nbtrain.run.mesh import PlanMeshes, device_type
+from nbtrain.run.parallel.mesh import PlanMeshes, device_type
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Trainer:
         self.autocast = torch.autocast(device_type=device_type(), dtype=torch.bfloat16, enabled=precision == "bf16")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
         self.steps_done = 0
-        from nbtrain.run.offload import OffloadedAdamW
+        from nbtrain.run.offload.optimizer import OffloadedAdamW
 
         self.offloaded = isinstance(optimizer, OffloadedAdamW)
         if self.offloaded and on_nonfinite == "skip":
@@ -165,7 +165,7 @@ class Trainer:
                                        f"clip_norm={clip_norm})")
         self.pipeline = None
         if plan.pp > 1:
-            from nbtrain.run.pipeline import PipelineRunner
+            from nbtrain.run.parallel.pipeline import PipelineRunner
 
             self.pipeline = PipelineRunner(model, plan, meshes, self._pipeline_loss)
         # what every training forward passes (use_cache=False: a Hugging Face model builds no KV cache in training)
@@ -241,7 +241,7 @@ class Trainer:
             self.steps_done += 1
             seconds = time.perf_counter() - started
             return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), None, skipped=True)
-        if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload.py)
+        if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload/optimizer.py)
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm if self.clip_norm else None
         else:

@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nbtrain.run.launch import launch
+from nbtrain.run.launch.workers import launch
 
 
 def world():

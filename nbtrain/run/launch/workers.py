@@ -1,6 +1,6 @@
 """Run a function in worker processes that share one ``torch.distributed`` process group; get rank 0's result.
 
-    >>> from nbtrain.run.launch import launch, rank_print
+    >>> from nbtrain.run.launch.workers import launch, rank_print
     >>> def sum_of_ranks():
     ...     import torch, torch.distributed as dist
     ...     t = torch.tensor([dist.get_rank()])
@@ -21,34 +21,32 @@ each rank gets its own return value.
 
 A launch that runs past its ``timeout`` asks every worker where it was before killing it (``faulthandler`` dumps
 each worker's stacks on SIGUSR1, even while it is blocked inside gloo), and the error names the rank that never
-reached the collective the others wait in: see :mod:`nbtrain.run.stacks`.
+reached the collective the others wait in: see :mod:`nbtrain.run.launch.stacks`.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import logging
 import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from contextlib import contextmanager, nullcontext, redirect_stdout
+from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any, Callable
 
 from nbtrain.errors import InvalidArgumentError, LaunchError
-from nbtrain.run.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
-                                  worker_processes, write_exit_report, write_whole)
+from nbtrain.run.launch.environment import (SIGNALS, check_limit, cpu_env, free_port, launch_env, port_is_free,
+                                             visible_gpus)
+from nbtrain.run.launch.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
+                                         worker_processes, write_exit_report, write_whole)
 
-# torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process.
-_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
 _PG_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default, used when no timeout is given
 _FORK_WAIT_S = 600  # how long a forked rank waits for the agent to fork the others
 # Forked workers' collectives time out this much after the launch's own timer fires: the parent then asks every rank
@@ -71,7 +69,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     A worker that raises stops all workers and raises :class:`WorkerError` naming the rank, with its traceback;
     past ``timeout`` each worker's stacks are dumped, the workers are killed and :class:`LaunchTimeoutError` is
     raised, saying where each rank was and which one the others waited for (``error.ranks`` holds a
-    :class:`~nbtrain.run.stacks.RankStack` per rank); Ctrl-C stops the workers and re-raises ``KeyboardInterrupt``.
+    :class:`~nbtrain.run.launch.stacks.RankStack` per rank); Ctrl-C stops the workers and re-raises ``KeyboardInterrupt``.
     In every case no worker process is left behind and the kernel lives on. ``sys.exit()``, ``sys.exit(0)`` or
     ``sys.exit(None)`` in ``fn`` (a script ending in ``sys.exit(main())``) is a rank that finished, returning None;
     ``sys.exit(N)`` with N not 0 is a failure of that rank: :class:`WorkerError` names it with its exit status.
@@ -85,7 +83,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
         raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     pg_timeout = datetime.timedelta(seconds=timeout) if timeout else _PG_TIMEOUT
     if launched_externally():  # already a torchrun / accelerate launch worker
-        with _cpu_env(visible_gpus() == 0):
+        with cpu_env(visible_gpus() == 0):
             return _run_in_group(fn, args, kwargs, int(os.environ["WORLD_SIZE"]), pg_timeout)
 
     import torch.distributed as dist
@@ -94,13 +92,13 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
         raise LaunchError(f"this process already has a process group (world size {dist.get_world_size()}); "
                           "call torch.distributed.destroy_process_group() first, or restart the kernel")
     gpus = visible_gpus()
-    _check_limit(num_processes, gpus)
+    check_limit(num_processes, gpus)
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         raise InvalidArgumentError(f"port must be an int in 1..65535 or None (pick a free one), got {port!r}")
-    if port is not None and not _port_is_free(port):
+    if port is not None and not port_is_free(port):
         raise InvalidArgumentError(f"port {port} is in use; pass another, or port=None to pick a free one")
     if num_processes == 1:
-        with _cpu_env(gpus == 0):
+        with cpu_env(gpus == 0):
             return _run_in_group(fn, args, kwargs, 1, pg_timeout)
     fork_pg_timeout = datetime.timedelta(seconds=timeout + _PG_MARGIN_S) if timeout else _PG_TIMEOUT
     return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, fork_pg_timeout, gpus)
@@ -132,14 +130,14 @@ def rank_print(*args: Any, sep: str = " ", end: str = "\n", file=None) -> None:
 
 
 def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gpus):
-    # imported before _launch_env, which quiets torch elastic's loggers: importing creates them
+    # imported before launch_env, which quiets torch elastic's loggers: importing creates them
     from accelerate import notebook_launcher  # noqa: F401
     from torch.distributed.elastic.multiprocessing import api  # noqa: F401
     from torch.distributed.launcher import api as launcher_api  # noqa: F401
 
     before = set(multiprocessing.active_children())
     timed_out = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, _launch_env(gpus == 0):
+    with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, launch_env(gpus == 0):
         worker = _Worker(fn, args, kwargs, num_processes, workdir, "nccl" if gpus else "gloo", pg_timeout)
         timer = threading.Timer(timeout, _dump_stacks_and_stop_workers, (before, timed_out, workdir)) \
             if timeout else None
@@ -173,7 +171,7 @@ def _run_launcher(worker, num_processes, port, gpus, workdir, watcher, timer, ti
 
     for attempt in range(3):
         try:
-            use_port = port or _free_port()
+            use_port = port or free_port()
             print(f"Launching {num_processes} workers on {'GPUs, one each (nccl)' if gpus else 'CPU (gloo)'}"
                   f" at 127.0.0.1:{use_port}", flush=True)
             with redirect_stdout(_DropBanner(sys.stdout)):
@@ -226,7 +224,7 @@ class _Worker:
         # The fork copied elastic's Python-level handlers, which raise only when the interpreter next runs
         # bytecode: a worker blocked inside a collective or a deadlock would ignore the agent's SIGTERM (and
         # Ctrl-C) for the agent's 30 s grace period. The OS default ends the worker at once.
-        for sig in _SIGNALS:
+        for sig in SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         try:
             # No rank talks to the agent's store before the agent has forked every rank. The store's server thread
@@ -346,111 +344,3 @@ def _stop_workers(before) -> None:
     for child in worker_processes(before):
         child.kill()
         child.join(5)
-
-
-@contextmanager
-def _launch_env(cpu_only: bool):
-    """The parent's setting for one launch, all put back after it: environment, signal handlers, elastic's logs."""
-    on_main = threading.current_thread() is threading.main_thread()
-    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS} if on_main else {}
-    # A failure is reported once, by WorkerError, not after pages of agent logs. Each of torch's loggers has its
-    # own level, so the parents' level would not reach them.
-    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"))]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.CRITICAL)
-    saved = dict(os.environ)
-    # Busy-waiting OpenMP threads on a small machine can be 30x slower. Forked workers keep the OpenMP runtime
-    # the parent loaded (it read its environment at `import torch`); there one intra-op thread is what prevents
-    # spinning. This reaches what the workers start afresh (exec'd tools, spawned helpers). The user's setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        with _cpu_env(cpu_only):
-            yield
-    finally:
-        for key in set(os.environ) - set(saved):  # key by key: other threads never see an empty environment
-            del os.environ[key]
-        os.environ.update({key: value for key, value in saved.items() if os.environ.get(key) != value})
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
-        # elastic installs handlers that raise SignalException and never puts the old ones back: a kernel left
-        # with them would turn the next Ctrl-C into a SignalException.
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
-def _cpu_env(cpu_only: bool):
-    # Without a GPU, an Accelerator in each worker reports one process (DistributedType.NO) and every worker
-    # trains alone; ACCELERATE_USE_CPU=1 makes it see the gloo group (MULTI_CPU). Put back afterwards.
-    from accelerate.utils import patch_environment
-
-    return patch_environment(ACCELERATE_USE_CPU="1") if cpu_only else nullcontext()
-
-
-def visible_gpus() -> int:
-    """GPUs visible, counted through NVML so that CUDA is not initialised in the parent (that would break fork)."""
-    import torch
-    from accelerate.utils import is_cuda_available
-
-    return torch.cuda.device_count() if is_cuda_available() else 0
-
-
-def _check_limit(num_processes: int, gpus: int) -> None:
-    if gpus and num_processes > gpus:
-        raise InvalidArgumentError(f"num_processes={num_processes} but {gpus} GPU(s) are visible and each worker "
-                                   f"needs its own; use num_processes={gpus} or fewer")
-    cores = os.cpu_count() or 1
-    limit = int(os.environ.get("NBTRAIN_MAX_PROCESSES", max(8, cores)))
-    if not gpus and num_processes > limit:
-        raise InvalidArgumentError(f"num_processes={num_processes} is more than the {limit} CPU workers allowed on "
-                                   f"this {cores}-core machine (each holds its own copy of the model); use fewer, "
-                                   "or set NBTRAIN_MAX_PROCESSES to allow more")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds: TIME_WAIT is no conflict
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def run_script(path: str, argv: list[str]) -> None:
-    """Run a Python file as ``__main__`` with ``sys.argv = [path, *argv]`` (what ``nbtrain run`` does per rank).
-
-    A ``sys.exit(...)`` in the script raises ``SystemExit`` out of here, as running it with ``python`` would end it;
-    :func:`launch` takes ``sys.exit(0)`` as the rank finishing and ``sys.exit(N)``, N not 0, as its failure."""
-    import runpy
-
-    saved = sys.argv
-    sys.argv = [path, *argv]
-    try:
-        runpy.run_path(path, run_name="__main__")
-    finally:
-        sys.argv = saved
-
-
-def current_plan():
-    """The plan ``nbtrain run --plan plan.json`` was given (``NBTRAIN_PLAN``), or None.
-
-        >>> plan = current_plan()     # in a script started by `nbtrain run train.py --plan plan.json`
-    """
-    from nbtrain.planner.strategy import Plan
-
-    path = os.environ.get("NBTRAIN_PLAN")
-    if not path:
-        return None
-    import json
-
-    data = json.loads(Path(path).read_text())
-    data.pop("baselines", None)  # `nbtrain plan --json` writes them beside the plan
-    return Plan.from_dict(data)

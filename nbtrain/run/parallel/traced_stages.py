@@ -32,7 +32,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.description import ModelDescription, Slot
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 from nbtrain.run.batches import map_rows, tensors
 
 
@@ -228,7 +228,7 @@ def write_back(model: nn.Module, stage: TracedStage) -> None:
     """Put the stage's parameters (checkpoint-wrapped, sharded by FSDP2, copied by the pipe) into ``model`` under
     every name the original parameter had (a tied decoder's weight under the embedding's name too), so that the
     model's parameters are the ones this stage trains."""
-    from nbtrain.run.training_state import canonical_name
+    from nbtrain.run.state.training_state import canonical_name
 
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -10,7 +10,7 @@
 A dump is what ``faulthandler.dump_traceback(all_threads=True)`` writes: one block per thread, each headed
 ``Thread 0x... (most recent call first):`` (``Current thread`` for the one that wrote it), one
 ``  File "path", line N in function`` per frame, innermost first. The worker's own thread is the one running
-``nbtrain/run/launch.py``; the rank waits in a collective when its innermost frames are ``torch/distributed`` code.
+``nbtrain/run/launch/workers.py``; the rank waits in a collective when its innermost frames are ``torch/distributed`` code.
 Below the launch's frames a forked worker also shows the parent's (the notebook cell that called ``launch``): those
 are never taken for where the rank was. A function defined in a notebook runs from a file such as
 ``/tmp/ipykernel_4242/2853719463.py``; given IPython's names for those files, a frame there reads
@@ -26,7 +26,7 @@ from typing import Callable
 
 _HEADER = re.compile(r"((Current thread|Thread) 0x[0-9a-fA-F]+.*|Stack) \(most recent call first\):")
 _FRAME = re.compile(r'\s+File "(?P<path>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)')
-_LAUNCH = "nbtrain/run/launch.py"
+_LAUNCH = "nbtrain/run/launch/workers.py"
 _TORCH = re.compile(r"[/\\]torch[/\\]")
 _TORCH_DISTRIBUTED = re.compile(r"[/\\]torch[/\\]distributed[/\\]")
 # The standard library (threading.py, queue.py, subprocess.py, ...) but not what pip installs beside it.

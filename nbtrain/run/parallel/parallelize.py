@@ -33,10 +33,11 @@ from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
                                         slot_module)
 from nbtrain.models.tensor_parallel import style_for
-from nbtrain.planner.strategy import Plan, Strategy, head_split_problem
-from nbtrain.run.mesh import PlanMeshes
-from nbtrain.run.relayout import add_relayout
-from nbtrain.run.traced_stages import traced_stage, write_back
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy, head_split_problem
+from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.parallel.relayout import add_relayout
+from nbtrain.run.parallel.traced_stages import traced_stage, write_back
 
 
 def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
@@ -45,8 +46,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1), as
     :func:`~nbtrain.models.description.describe` cuts them (``tp_plan``: the user's tensor-parallel plan).
     A model whose stages are traced (``describe(model).stages == "traced"``) is traced on ``example``, one
-    micro-batch of its inputs (:func:`~nbtrain.run.traced_stages.example_microbatch`), and its stage's layers are
-    the traced graph's (:mod:`nbtrain.run.traced_stages`).
+    micro-batch of its inputs (:func:`~nbtrain.run.parallel.traced_stages.example_microbatch`), and its stage's layers are
+    the traced graph's (:mod:`nbtrain.run.parallel.traced_stages`).
 
     Returns the module to train: ``model`` itself, changed in place, or for a plain data-parallel plan the
     ``DistributedDataParallel`` wrapping it (its ``.module`` is ``model``).

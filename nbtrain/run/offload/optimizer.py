@@ -9,7 +9,7 @@
     >>> opt.close()                                   # stops its CPU worker thread (fit does this after the run)
 
 What lives where. For the offloaded part of each layer (its ``offload`` fraction, cut by
-:func:`~nbtrain.run.offload_split.cut_layer`): an fp32 master copy (a tensor of its own, whatever the parameter's
+:func:`~nbtrain.run.offload.split.cut_layer`): an fp32 master copy (a tensor of its own, whatever the parameter's
 dtype: bf16 compute copies work), AdamW's two moments and its step count, on the CPU (pinned when a GPU exists).
 The rest is updated on the device by the same fused AdamW (through an fp32 master there when the parameter is not
 fp32). Gradients reach the CPU as backward produces them: from a GPU, copied asynchronously into pinned buffers;
@@ -31,7 +31,7 @@ layers, which is why the split keeps those on the device (CoTrain's data-reuse d
 one of them. Without ``land_before``, ``step()`` waits for the worker: when it returns, the model holds exactly the
 new weights. A worker's exception is raised where its update lands. Offload 0 everywhere is plain fused AdamW.
 
-Data parallel under DDP: :mod:`nbtrain.run.offload_ddp`. Under FSDP2 (``dp_shard``, and its hybrid
+Data parallel under DDP: :mod:`nbtrain.run.offload.ddp`. Under FSDP2 (``dp_shard``, and its hybrid
 ``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:
 FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its reduce-scatter (and, hybrid, all-reduce) has
 produced the averaged gradient shard, so each rank hands over and updates its own shard, as it would in ZeRO-Offload.
@@ -72,10 +72,10 @@ import torch
 from torch import nn
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.run.mesh import local_shard
-from nbtrain.run.offload_ddp import attach_ddp
-from nbtrain.run.offload_split import cut_layer
-from nbtrain.run.offload_state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
+from nbtrain.run.parallel.mesh import local_shard
+from nbtrain.run.offload.ddp import attach_ddp
+from nbtrain.run.offload.split import cut_layer
+from nbtrain.run.offload.state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
                                        load_state, save_state, shard_groups)
 
 SCHEDULES = ("overlap", "after_backward")
@@ -148,7 +148,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def from_model(cls, model: nn.Module, offload=1.0, *, land_at: str = "forward", **kwargs) -> OffloadedAdamW:
         """For an nbtrain GPT or a Hugging Face GPT-2 / Llama, bare, under FSDP2, or wrapped in
         DistributedDataParallel (then its all-reduce hands over the gradients:
-        :func:`~nbtrain.run.offload_ddp.attach_ddp`). ``offload`` may be a ``Plan``: its layers' ``offload``
+        :func:`~nbtrain.run.offload.ddp.attach_ddp`). ``offload`` may be a ``Plan``: its layers' ``offload``
         fractions. ``land_at="forward"``: each layer's CPU update may run on into the next forward, which waits for
         it at that layer (and ``model.state_dict()`` waits for all); ``"step"``: ``step()`` waits for every update."""
         from torch.nn.parallel import DistributedDataParallel

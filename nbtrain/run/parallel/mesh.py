@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.strategy import Plan, Strategy
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy
 
 AXES = ("dp_replicate", "dp_shard", "tp")
 

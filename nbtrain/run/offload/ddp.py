@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 
 def attach_ddp(opt, model) -> None:
-    """Make ``opt`` (an :class:`~nbtrain.run.offload.OffloadedAdamW` over ``model.module``'s parameters) take its
+    """Make ``opt`` (an :class:`~nbtrain.run.offload.optimizer.OffloadedAdamW` over ``model.module``'s parameters) take its
     offloaded gradients from ``model``'s all-reduce. Call once, before the first backward."""
     group = model.process_group
     world = dist.get_world_size(group)

@@ -11,7 +11,7 @@ parallel, or their mixes, on every process). The *home* strategy is the longest 
 weights the optimizer updates and the optimizer state, all step long. A step runs the other strategies first,
 shortest buckets first, each as HotSPa does:
 
-1. switch the weights home → strategy (:class:`~nbtrain.run.reshard.ReshardPlan`, planned once per pair);
+1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.ReshardPlan`, planned once per pair);
 2. forward and backward of each of its buckets' rows (each data-parallel rank its rows; the gradient sync of that
    layout once, after its last bucket);
 3. switch the gradients strategy → home, *added* to the home model's ``.grad``;
@@ -40,11 +40,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.planner.strategy import Plan, Strategy
-from nbtrain.run.mesh import PlanMeshes, local_shard
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.strategy import Strategy
+from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.models.description import layer_slots
-from nbtrain.run.parallelize import parallelize, set_checkpointing
-from nbtrain.run.reshard import ReshardPlan
+from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
+from nbtrain.run.switching.reshard import ReshardPlan
 from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
 
 
@@ -113,7 +114,7 @@ class HotSwitching:
     """Train with one strategy per length bucket (module docstring). ``strategies``: bound → strategy (a
     ``Strategy`` or its text, ``"dp_shard=2"``); the largest bound's is the home. ``build()`` makes the model on
     this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same initial weights).
-    ``offload``: the home optimizer's CPU update offload (:class:`~nbtrain.run.offload.OffloadedAdamW`, a fraction
+    ``offload``: the home optimizer's CPU update offload (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, a fraction
     for every layer or one per layer; the home strategy then has no TP); its updates land before the next step's
     first switch."""
 
@@ -135,7 +136,7 @@ class HotSwitching:
         self.home = self.layouts[home]
         self.clip_norm, self.steps_done = clip_norm, 0
         if offload is not None:
-            from nbtrain.run.offload import OffloadedAdamW
+            from nbtrain.run.offload.optimizer import OffloadedAdamW
 
             if home.tp > 1:
                 raise InvalidArgumentError(f"offload runs with data-parallel layouts; the home strategy ({home}) "

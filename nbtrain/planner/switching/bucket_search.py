@@ -1,4 +1,4 @@
-"""The cost side of :func:`nbtrain.planner.buckets.plan_buckets`: what a hot switch costs, what each bucket costs
+"""The cost side of :func:`nbtrain.planner.switching.buckets.plan_buckets`: what a hot switch costs, what each bucket costs
 under every strategy, and the search for the fastest home strategy and grouping of the other buckets.
 
     >>> costs = BucketCosts(profile, cluster, None, BucketOptions())
@@ -9,13 +9,13 @@ under every strategy, and the search for the fastest home strategy and grouping 
     11795000000.0
 
 **A switch** (HotSPa) moves the parameters from one layout to another; the model, stated so that the executor's
-measurement (:class:`nbtrain.run.reshard.ReshardPlan` counts the bytes each rank receives) can stand beside it:
+measurement (:class:`nbtrain.run.switching.reshard.ReshardPlan` counts the bytes each rank receives) can stand beside it:
 
 * Under a strategy ``S`` a rank holds ``1 / (S.dp_shard × S.tp)`` of every parameter (replicated over
   ``dp_replicate``): FSDP2 and TP each cut a tensor into equal contiguous chunks.
 * A rank keeps what it already holds when its chunk under one layout lies inside its chunk under the other: then
   it reuses ``min(held_A, held_B)``. Otherwise nothing is counted as reused (a conservative bound).
-* On the mesh ``dp_replicate × dp_shard × tp`` (tp innermost, as :mod:`nbtrain.run.mesh` lays it out) a rank's chunk
+* On the mesh ``dp_replicate × dp_shard × tp`` (tp innermost, as :mod:`nbtrain.run.parallel.mesh` lays it out) a rank's chunk
   index along its split is ``rank mod (dp_shard × tp)``, so chunks nest *for every rank* only when both layouts
   split the same way, or when one of them holds the whole tensor. Chunks of different sizes never do: rank 1 holds
   ``[1/2, 1)`` of a tensor under ``dp_shard=2`` and ``[1/4, 1/2)`` under ``dp_shard=4``. A switch is as slow as its
@@ -26,7 +26,7 @@ measurement (:class:`nbtrain.run.reshard.ReshardPlan` counts the bytes each rank
 **Choosing strategies** for buckets is a facility-location problem: each strategy other than the home costs its
 switches and one gradient sync once, however many buckets use it. Its optimum partitions the buckets into groups,
 one strategy each, so a dynamic program over the subsets of the non-home buckets (3^(n−1) steps, every home strategy
-at once as numpy arrays) finds it exactly. The step-time and memory models are in :mod:`nbtrain.planner.buckets`.
+at once as numpy arrays) finds it exactly. The step-time and memory models are in :mod:`nbtrain.planner.switching.buckets`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from functools import lru_cache
 import numpy as np
 
 from nbtrain.planner.cost import CostModel, Memory
-from nbtrain.planner.search import _layer_kinds
+from nbtrain.planner.search import layer_kinds
 from nbtrain.planner.strategy import Strategy, strategy_space
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -46,7 +46,7 @@ from nbtrain.units import format_bytes, format_seconds
 
 def padded_rows(rows: int, dp: int) -> int:
     """Rows a bucket runs under ``dp`` data-parallel ranks: ``rows`` padded with empty ones to a multiple of ``dp``
-    (as :mod:`nbtrain.run.switching` pads them), each computed like a full row: ``padded_rows(55, 8) == 56``."""
+    (as :mod:`nbtrain.run.switching.hot` pads them), each computed like a full row: ``padded_rows(55, 8) == 56``."""
     return -(-rows // dp) * dp
 
 
@@ -142,7 +142,7 @@ class BucketCosts:
                                       max_tp=1 if self.no_tp else options.max_tp, allow_ac=options.allow_ac,
                                       zero_levels=options.zero_levels)
             if s.tp == 1 or ((not heads or heads % s.tp == 0) and (not unit or unit % s.tp == 0))]
-        kinds = _layer_kinds(profile)  # layers of one kind cost the same under every strategy
+        kinds = layer_kinds(profile)  # layers of one kind cost the same under every strategy
         self.kinds = [(kinds.index(k), kinds.count(k)) for k in sorted(set(kinds))]  # (representative, count)
         probe = self.model(cluster.num_devices, profile.seq_len)
         self.budget, self.reserve = probe.budget, probe.reserve

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from nbtrain.errors import LaunchTimeoutError, WorkerError
-from nbtrain.run.stacks import describe_ranks, explain_hang
+from nbtrain.run.launch.stacks import describe_ranks, explain_hang
 
 STACK_FILE = re.compile(r"rank(\d+)-pid(\d+)\.stack")
 _DUMP_WAIT_S = 2  # how long a timed-out launch waits for its workers' stack dumps before killing them

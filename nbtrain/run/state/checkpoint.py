@@ -6,7 +6,7 @@
     >>> progress = found.load(state)      # in every worker, under any plan: weights, AdamW state, progress
 
 Each checkpoint is a folder ``step-NNNNNNNN`` holding ``torch.distributed.checkpoint`` files (every rank writes the
-shards it holds; :mod:`nbtrain.run.training_state` names them plan-independently) and ``nbtrain.json``: the step,
+shards it holds; :mod:`nbtrain.run.state.training_state` names them plan-independently) and ``nbtrain.json``: the step,
 the data position, the learning-rate schedule's position, the RNG state and the loss history. A save writes into
 ``step-NNNNNNNN.partial`` and rank 0 renames it once every rank has written and ``nbtrain.json`` is on disk: a
 worker killed while saving leaves a ``.partial`` folder, which is never read, and the previous checkpoint stays
@@ -166,8 +166,8 @@ def write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> None:
 
 def check_same_model(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     """Refuse, before launching, a checkpoint of another model: every weight must be saved with this shape."""
-    from nbtrain.run.training_state import trained_tensors
-    from nbtrain.run.weights import layer_prefixes
+    from nbtrain.run.state.training_state import trained_tensors
+    from nbtrain.run.state.weights import layer_prefixes
 
     saved = {k[len("model."):]: shape for k, shape in checkpoint.saved_shapes().items() if k.startswith("model.")}
     here = {name: tuple(t.shape) for name, t in trained_tensors(model, layer_prefixes(model)).items()}

@@ -11,7 +11,7 @@ Names are those of the model as the user built it: DDP's ``module.`` and activat
 disappear, FSDP2 and tensor parallelism keep names and turn tensors into DTensors, and a pipeline stage holds (and
 saves) only the layers it trains. The optimizer's state is AdamW's ``step``, ``exp_avg`` and ``exp_avg_sq`` per
 parameter whatever optimizer holds it: torch's fused AdamW keeps them per parameter, the CPU update offload
-(:class:`~nbtrain.run.offload.OffloadedAdamW`) per local shard in pieces; both are written as tensors shaped like
+(:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`) per local shard in pieces; both are written as tensors shaped like
 the parameter (DTensors for sharded ones), so a run saved with offload resumes without it, and the reverse. A
 DTensor whose shard is several blocks (GPT-2's fused q|k|v under TP) is written block by block
 (:class:`StridedForDCP`), so its global view, the user's weight, is what any other plan reads back.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nbtrain.run.mesh import local_shard
+from nbtrain.run.parallel.mesh import local_shard
 
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -159,7 +159,7 @@ class TrainingState:
     """The weights this process trains and their AdamW state, by canonical name (module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, trained: tuple[str, ...]):
-        from nbtrain.run.offload import OffloadedAdamW
+        from nbtrain.run.offload.optimizer import OffloadedAdamW
 
         self.model, self.optimizer = model, optimizer
         self.offloaded = isinstance(optimizer, OffloadedAdamW)

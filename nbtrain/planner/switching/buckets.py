@@ -4,7 +4,7 @@
     >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=8), [(4096, 48), (16384, 6), (32768, 2)])
     >>> print(hot.summary())
     hot switching: 3 buckets · 3 strategies · home dp_shard=2 zero=2 tp=4 · fits 66.16 GiB/80.00 GiB ...
-    >>> hot.strategies()            # bound → strategy, what nbtrain.run.switching.HotSwitching takes
+    >>> hot.strategies()            # bound → strategy, what nbtrain.run.switching.hot.HotSwitching takes
     >>> print(hot)                  # one row per bucket, the switches, the static plan, the speed-up
 
 A bucket ``(bound, rows)`` is ``rows`` rows of ``bound`` tokens per step (what packing the step's documents of that
@@ -12,13 +12,13 @@ length gives). The longest bucket's strategy is the *home*: its layout holds the
 
 **Step time.** A bucket runs one forward and backward (no micro-batches) under one strategy for every layer. Every
 data-parallel rank runs the same number of rows, so under ``dp`` ranks the bucket is padded with empty rows to a
-multiple of ``dp``, which cost as much as full ones (they are computed, as :mod:`nbtrain.run.switching` runs them):
+multiple of ``dp``, which cost as much as full ones (they are computed, as :mod:`nbtrain.run.switching.hot` runs them):
 the cost model at ``global_batch=ceil(rows / dp) × dp, seq_len=bound``, Σ over layers of ``compute + tp_comm +
 zero3_comm``, here and in the memory below. Its tokens are still the real ones, ``bound × rows``. Buckets
 sharing a strategy run back to back (grouped by strategy, in the order of their shortest bucket, the home last, as
-:mod:`nbtrain.run.switching` runs them) and synchronise their gradients once, in that layout, overlapped with the
+:mod:`nbtrain.run.switching.hot` runs them) and synchronise their gradients once, in that layout, overlapped with the
 backward of the group's last (longest) bucket: the cost model's ``dp_comm`` at that bucket. Each strategy other than
-the home pays two switches per step (:mod:`nbtrain.planner.bucket_search`): the compute copy of the weights home → it
+the home pays two switches per step (:mod:`nbtrain.planner.switching.bucket_search`): the compute copy of the weights home → it
 (``profile.dtype_bytes`` per parameter) and the accumulated gradients back (``CostOptions.grad_reduce_bytes``, fp32).
 Then one update in the home layout (the cost model's ``Time.update``, non-zero where it knows the device's own rate).
 
@@ -26,7 +26,7 @@ Then one update in the home layout (the cost model's ``Time.update``, non-zero w
 layers of the cost model's ``params + grads + optimizer``). A bucket under the home strategy adds its activations
 and the largest transient of its layers: exactly ``CostModel.estimate`` of that uniform plan. A bucket under another
 strategy adds that layout's compute copy and gradients (its ``params + grads``), its activations and its largest
-transient (HotSPa frees a layout's copy when it leaves it; :mod:`nbtrain.run.switching` keeps every layout resident
+transient (HotSPa frees a layout's copy when it leaves it; :mod:`nbtrain.run.switching.hot` keeps every layout resident
 for now, which needs more). Plus the cost model's reserve. Every bucket fits.
 
 **Search.** For each way to merge adjacent buckets (a merged bucket has the larger bound and
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
-from nbtrain.planner.bucket_search import Assignment, BucketCosts, Switch, fastest, static
+from nbtrain.planner.switching.bucket_search import Assignment, BucketCosts, Switch, fastest, static
 from nbtrain.planner.cost import CostOptions, Memory
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster
@@ -163,7 +163,7 @@ class BucketPlan:
         return None if self.static is None else self.static.step_time_s / self.step_time_s
 
     def strategies(self) -> dict[int, Strategy]:
-        """Bucket bound → strategy: what :class:`nbtrain.run.switching.HotSwitching` takes."""
+        """Bucket bound → strategy: what :class:`nbtrain.run.switching.hot.HotSwitching` takes."""
         return {b.bound: b.strategy for b in self.buckets}
 
     def summary(self) -> str:

@@ -5,7 +5,7 @@
 
 Stage ``i`` runs on devices ``[i·D, (i+1)·D)`` (pp is the outermost mesh axis); inside a stage the layers keep
 their data-parallel and tensor-parallel strategies. The stage module holds the model's own submodules, so the
-trained weights are the model's; a model whose stages are traced (:mod:`nbtrain.run.traced_stages`: BERT, ViT, T5,
+trained weights are the model's; a model whose stages are traced (:mod:`nbtrain.run.parallel.traced_stages`: BERT, ViT, T5,
 a user's CNN) runs its traced graph through ``build_stage``, its first stage takes the batch's inputs as the model
 does (a dict as keywords), and the loss gets the model's output structure back. GPipe runs every micro-batch forward, then every backward; 1F1B (Narayanan et
 al. 2021) interleaves them so stage ``i`` holds at most ``pp − i`` micro-batches of activations. Both scale each
@@ -31,10 +31,10 @@ from torch.distributed.tensor import DTensor
 
 from nbtrain.models.description import described
 from nbtrain.models.stages import stage_layers
-from nbtrain.planner.strategy import Plan
+from nbtrain.planner.plan import Plan
 from nbtrain.run.batches import chunk_rows
-from nbtrain.run.mesh import PlanMeshes, device_type, local_shard
-from nbtrain.run.parallelize import add_fsdp_root
+from nbtrain.run.parallel.mesh import PlanMeshes, device_type, local_shard
+from nbtrain.run.parallel.parallelize import add_fsdp_root
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

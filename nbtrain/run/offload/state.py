@@ -1,7 +1,7 @@
 """The AdamW state of each piece of a parameter (:class:`Piece`) and of each layer, its update on the CPU
 (speculative when clipping), the global gradient norm, and checkpoints.
 
-A checkpoint of :class:`~nbtrain.run.offload.OffloadedAdamW` holds whole tensors per parameter, whatever the split.
+A checkpoint of :class:`~nbtrain.run.offload.optimizer.OffloadedAdamW` holds whole tensors per parameter, whatever the split.
 Its layout is ``torch.optim.AdamW``'s (``state[i]`` with ``step``, ``exp_avg``, ``exp_avg_sq``; ``param_groups``
 with ``params`` as indices) plus ``master``, the fp32 weights, so a state saved under one offload split loads under
 another, and a plain AdamW state dict over the same parameters loads too. Under FSDP2 (DTensor parameters) each
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.run.mesh import local_shard
+from nbtrain.run.parallel.mesh import local_shard
 
 
 class Piece:

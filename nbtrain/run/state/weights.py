@@ -40,7 +40,7 @@ def _state(model: nn.Module, full: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full))
-    from nbtrain.run.training_state import canonical_name
+    from nbtrain.run.state.training_state import canonical_name
 
     return {canonical_name(k, False): v for k, v in state.items()}  # without checkpoint_wrapper's part
 
@@ -65,7 +65,7 @@ def save_trained(model: nn.Module, mine: tuple[str, ...], folder) -> None:
     """Every rank writes the shards of the weights its stage trained into ``folder`` (DCP's format)."""
     import torch.distributed.checkpoint as dcp
 
-    from nbtrain.run.training_state import for_dcp, trained_tensors
+    from nbtrain.run.state.training_state import for_dcp, trained_tensors
 
     # the model's own names, a tied head once under the embedding's, blocks of a strided shard as DCP needs them
     state = {k: v.detach() for k, v in trained_tensors(model, mine).items()}
