@@ -18,7 +18,7 @@ from nbtrain.data import stdlib_batches
 from nbtrain.models import GPT, GPTConfig
 from nbtrain.planner.planned import plan_and_compare
 from nbtrain.planner.recommend import plan
-from nbtrain.planner.search import SearchOptions
+from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.model import profile
 from nbtrain.run.fit import fit

@@ -381,3 +381,33 @@ def test_the_checks_catch_a_function_level_cycle_a_private_import_and_a_layer_br
         ("fake.c", "fake", "app", "facade", "fake/c.py:1"),
         ("fake.errors", "fake.sub.d", "foundation", "models", "fake/errors.py:1"),
     ]
+
+
+# -- the layout the map promises (docs/ARCHITECTURE.md) ----------------------------------------------------------------
+MAX_LINES = 400
+
+
+def test_no_module_is_over_four_hundred_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / PACKAGE).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (cut them by concern): {long}"
+
+
+def test_every_subpackage_says_what_it_is_in_its_docstring():
+    silent = [str(p.relative_to(ROOT)) for p in sorted((ROOT / PACKAGE).rglob("__init__.py"))
+              if len((ast.get_docstring(ast.parse(p.read_text())) or "").split()) < 8]
+    assert not silent, f"packages without a docstring that names their idea: {silent}"
+
+
+def test_the_architecture_map_lists_a_cells_path_of_at_most_twelve_existing_files():
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## One `%%autoparallel --launch` cell, file by file", 1)[1].split("\n## ", 1)[0]
+    steps = [line for line in section.splitlines() if line[:3].rstrip(".").strip().isdigit()]
+    files = [line.split("`")[1] for line in steps]
+    assert 0 < len(files) <= 12, files
+    missing = [f for f in files if not (ROOT / f).is_file()]
+    assert not missing, f"the map names files that do not exist: {missing}"
+    named = {str(p.relative_to(ROOT)) for p in (ROOT / PACKAGE).rglob("*.py")}
+    unnamed = sorted(f for f in named if f.split("/")[-1] != "__init__.py" and f"`{f}`" not in text
+                     and f"`{f.split('/', 1)[1]}`" not in text and f"`{f.split('/')[-1]}`" not in text)
+    assert not unnamed, f"modules the map does not mention: {unnamed}"

@@ -88,7 +88,7 @@ def test_a_batch_too_small_to_split_over_the_devices_is_named_not_blamed_on_memo
 def test_a_model_too_large_for_its_device_gets_cpu_update_offload_and_fits():
     # gpt2-xl (1.56 B parameters) with mixed-precision Adam: 16 bytes per parameter = 23 GiB of model states alone,
     # over a 16 GiB device; fp32 master weights and Adam moments on the CPU (12 of the 16 bytes) bring it under
-    from nbtrain.planner.search import SearchOptions
+    from nbtrain.planner.search_space import SearchOptions
 
     profile = nbtrain.profile("gpt2-xl", batch_size=1, seq_len=1024)
     one = nbtrain.Cluster.from_catalog("V100", num_devices=1, device_memory="16GiB")

@@ -30,7 +30,7 @@ from nbtrain.cli import main
 from nbtrain.errors import NoFeasiblePlanError
 from nbtrain.models import GPT, preset_config
 from nbtrain.planner.cost import CostOptions
-from nbtrain.planner.search import executor_problem
+from nbtrain.planner.reach import executor_problem
 from nbtrain.units import parse_bytes
 
 GiB, MiB = 2**30, 2**20

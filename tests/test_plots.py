@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 import nbtrain
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.notebook.plots import memory_plot, step_time_plot, timeline_plot
-from nbtrain.run.fit import FitResult
+from nbtrain.run.fit_result import FitResult
 from nbtrain.run.trainer import StepRecord
 
 GiB = 2**30

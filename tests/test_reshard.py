@@ -30,7 +30,7 @@ def _worker(rank, world, port, layouts, queue):
         from nbtrain.planner.plan import Plan
         from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
         from nbtrain.run.parallel.parallelize import parallelize
-        from nbtrain.run.switching.reshard import ReshardPlan
+        from nbtrain.run.switching.reshard import Resharding
 
         models = {}
         for i, layout in enumerate(layouts):
@@ -43,7 +43,7 @@ def _worker(rank, world, port, layouts, queue):
         for a, b in [(a, b) for a in layouts for b in layouts if a != b]:
             src, dst = list(models[a].parameters()), list(models[b].parameters())
             want = [full(p.detach()).clone() for p in src]
-            plan = ReshardPlan(src, dst)
+            plan = Resharding(src, dst)
             plan.run([local_shard(p.detach()) for p in src], [local_shard(p.detach()) for p in dst])
             got = [full(p.detach()) for p in dst]
             same = all(torch.equal(x, y) for x, y in zip(got, want))

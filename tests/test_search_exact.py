@@ -21,7 +21,8 @@ import pytest
 
 from nbtrain.planner import frontier as frontier_module
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, search
+from nbtrain.planner.search import search
+from nbtrain.planner.search_space import SearchOptions
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, strategy_space
 from nbtrain.profiler.result import Scaling

@@ -24,7 +24,7 @@ from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import layer_slots
 from nbtrain.planner.planned import PlannedModel, plan_and_compare
 from nbtrain.planner.scale import scale_plan
-from nbtrain.planner.search import SearchOptions
+from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.profiler.model import lm_loss, profile

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 
+from nbtrain.notebook.answers import Unreadable, gib, number, percent
 from nbtrain.planner.recommend import plan
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.model import profile as run_profile
@@ -97,45 +98,6 @@ def _recommended():
 
 
 # -- reading answers ---------------------------------------------------------------------------------------------
-class _Unreadable(Exception):
-    """The answer is not a number/plan the check can read; the message says what was expected."""
-
-
-def _number(answer, unit: str = "") -> Fraction:
-    """A real number from an int, float, Fraction, numpy scalar or string ("0.27", "3/11", "27%", "12.5 GiB")."""
-    if isinstance(answer, bool):
-        raise _Unreadable(f"{answer!r} is a bool; give a number")
-    if isinstance(answer, str):
-        text = answer.strip().replace(",", "").replace("_", "")
-        scale = Fraction(1)
-        if text.endswith("%"):
-            text, scale = text[:-1].strip(), Fraction(1, 100)
-        elif unit == "GiB":
-            for suffix, factor in (("gib", 1), ("gb", Fraction(10**9, GiB)), ("mib", Fraction(1, 1024))):
-                if text.lower().endswith(suffix):
-                    text, scale = text[: -len(suffix)].strip(), Fraction(factor)
-                    break
-        try:
-            return Fraction(text) * scale
-        except (ValueError, ZeroDivisionError):
-            raise _Unreadable(f"{answer!r} is not a number") from None
-    try:
-        value = float(answer)
-    except (TypeError, ValueError, OverflowError):
-        raise _Unreadable(f"{answer!r} ({type(answer).__name__}) is not a number") from None
-    if not math.isfinite(value):
-        raise _Unreadable(f"{answer!r} is not a finite number")
-    return Fraction(answer) if isinstance(answer, (int, Fraction)) else Fraction(value)
-
-
-def _pct(x) -> str:
-    return f"{float(x):.1%}"
-
-
-def _gib(nbytes) -> str:
-    return f"{float(nbytes) / GiB:.2f} GiB"
-
-
 def _verdict(name: str, ok: bool | None, why: str, details: list[str] = ()) -> bool:
     results[name] = ok
     label = "no answer yet" if ok is None else "✓ right" if ok else "✗ not quite"
@@ -158,7 +120,7 @@ def _checked(name: str, hint: str):
                 return _verdict(name, None, hint)
             try:
                 return fn(answer)
-            except _Unreadable as error:
+            except Unreadable as error:
                 return _verdict(name, False, f"could not read your answer: {error} ({hint})")
             except Exception as error:  # a check must give a verdict, whatever it was given
                 return _verdict(name, False, f"could not check your answer: {type(error).__name__}: {error}")
@@ -175,17 +137,17 @@ def _what_to_change(memory, budget: float) -> str:
     states = memory.params + memory.grads + memory.optimizer
     fixes = []
     if states + memory.reserve > budget:
-        fixes.append(f"the model states alone (params + grads + optimizer = {_gib(states)}) exceed it: shard them "
+        fixes.append(f"the model states alone (params + grads + optimizer = {gib(states)}) exceed it: shard them "
                      "with dp_shard (ZeRO-3 shards all three), or split the layers with tp or pp")
     if memory.activations + memory.transient > budget - min(states + memory.reserve, budget):
-        fixes.append(f"the activations ({_gib(memory.activations + memory.transient)} with the backward peak) "
-                     f"do not fit beside the model states ({_gib(states)}): checkpoint (ac), use more micro-batches "
+        fixes.append(f"the activations ({gib(memory.activations + memory.transient)} with the backward peak) "
+                     f"do not fit beside the model states ({gib(states)}): checkpoint (ac), use more micro-batches "
                      "(mb=...), tp or pp")
     return "; ".join(fixes)
 
 
 def _memory_line(memory) -> str:
-    parts = [f"{name} {_gib(getattr(memory, name))}" for name in
+    parts = [f"{name} {gib(getattr(memory, name))}" for name in
              ("params", "grads", "optimizer", "activations", "transient", "reserve") if getattr(memory, name)]
     return " + ".join(parts)
 
@@ -199,7 +161,7 @@ def check_fits_24gib(answer) -> bool:
 
     text = str(answer) if isinstance(answer, Plan) else answer
     if not isinstance(text, str):
-        raise _Unreadable(f"a plan is text like 'pp=2 mb=8 | dp_shard=4'; {answer!r} ({type(answer).__name__}) is not")
+        raise Unreadable(f"a plan is text like 'pp=2 mb=8 | dp_shard=4'; {answer!r} ({type(answer).__name__}) is not")
     try:
         typed = evaluate(text)
     except NbtrainError as error:
@@ -211,19 +173,19 @@ def check_fits_24gib(answer) -> bool:
     details = [f"per device{where}: {_memory_line(worst.memory)}"]
     if best != typed:
         details.append(f"nbtrain's recommendation, '{best}', takes {format_seconds(best.predicted.step_time_s)}/step")
-    budget = _gib(pred.budget_bytes)
+    budget = gib(pred.budget_bytes)
     if pred.fits:
         return _verdict("fits_24gib", True,
-                        f"'{typed}' fits: {_gib(pred.memory_bytes)} per device of {budget}, "
+                        f"'{typed}' fits: {gib(pred.memory_bytes)} per device of {budget}, "
                         f"{format_seconds(pred.step_time_s)}/step", details)
     if pred.memory_bytes <= pred.budget_bytes:  # the devices have room, the host does not
         host = max(s.host_bytes for s in pred.stages)
         return _verdict("fits_24gib", False,
-                        f"'{typed}' fits the devices ({_gib(pred.memory_bytes)} of {budget}) but its offloaded "
-                        f"optimizer state needs {_gib(host)} of host memory per device, more than the "
-                        f"{_gib(pred.host_budget_bytes)} there is; offload less", details)
+                        f"'{typed}' fits the devices ({gib(pred.memory_bytes)} of {budget}) but its offloaded "
+                        f"optimizer state needs {gib(host)} of host memory per device, more than the "
+                        f"{gib(pred.host_budget_bytes)} there is; offload less", details)
     return _verdict("fits_24gib", False,
-                    f"'{typed}' needs {_gib(pred.memory_bytes)} per device, more than the {budget} a card has: "
+                    f"'{typed}' needs {gib(pred.memory_bytes)} per device, more than the {budget} a card has: "
                     + _what_to_change(worst.memory, pred.budget_bytes), details)
 
 
@@ -249,7 +211,7 @@ def _cost_model_bubble(pp: int, microbatches: int) -> list[str]:
     return [f"nbtrain's cost model for '{typed}' on {MODEL}: stages take "
             + ", ".join(format_seconds(t) for t in times) + f" per micro-batch; step {format_seconds(pred.step_time_s)}"
             f" = Σ T_i + (m − 1)·max T_i, of which the slowest stage idles {format_seconds(idle)} "
-            f"({_pct(idle / pred.step_time_s)}); the formula assumes equal stages (the embedding and head are not)"]
+            f"({percent(idle / pred.step_time_s)}); the formula assumes equal stages (the embedding and head are not)"]
 
 
 @_checked("bubble", f"give the idle fraction for p={BUBBLE_PP} stages and m={BUBBLE_MB} micro-batches, "
@@ -257,16 +219,16 @@ def _cost_model_bubble(pp: int, microbatches: int) -> list[str]:
 def check_bubble(answer) -> bool:
     """Right within 1% (relative) of GPipe's (p − 1)/(m + p − 1)."""
     p, m = BUBBLE_PP, BUBBLE_MB
-    value, truth = _number(answer), gpipe_bubble(p, m)
-    formula = f"(p − 1)/(m + p − 1) = {p - 1}/{m + p - 1} = {_pct(truth)} (GPipe, Huang et al. 2019)"
+    value, truth = number(answer), gpipe_bubble(p, m)
+    formula = f"(p − 1)/(m + p − 1) = {p - 1}/{m + p - 1} = {percent(truth)} (GPipe, Huang et al. 2019)"
     details = _cost_model_bubble(p, m)
     if value > 1:
         return _verdict("bubble", False, f"{float(value):g} is more than 1: give the idle fraction (0.25 for 25%); "
                                          f"the bubble is {formula}", details)
     if abs(value - truth) <= truth / 100:
-        return _verdict("bubble", True, f"{_pct(value)}: {formula}; each stage works m = {m} micro-batch slots of "
+        return _verdict("bubble", True, f"{percent(value)}: {formula}; each stage works m = {m} micro-batch slots of "
                                         f"m + p − 1 = {m + p - 1}", details)
-    why = f"{_pct(value)} is not the bubble: {formula}"
+    why = f"{percent(value)} is not the bubble: {formula}"
     if abs(value - Fraction(p - 1, m)) <= truth / 100:
         why += "; (p − 1)/m is the bubble relative to the useful time, not the share of the step"
     return _verdict("bubble", False, why, details)
@@ -283,20 +245,20 @@ def microbatches_for_bubble(pp: int, max_bubble: Fraction) -> int:
 def check_bubble_budget(answer) -> bool:
     """Right when the answer is the fewest micro-batches with a bubble ≤ 10% (GPipe's formula)."""
     p, limit = BUDGET_PP, BUDGET_MAX_BUBBLE
-    value = _number(answer)
+    value = number(answer)
     if value.denominator != 1 or value < 1:
-        raise _Unreadable(f"{answer!r} is not a whole number of micro-batches (1, 2, 3, ...)")
+        raise Unreadable(f"{answer!r} is not a whole number of micro-batches (1, 2, 3, ...)")
     m, fewest = int(value), microbatches_for_bubble(p, limit)
-    at = f"with m = {m} the bubble is {p - 1}/{m + p - 1} = {_pct(gpipe_bubble(p, m))}"
+    at = f"with m = {m} the bubble is {p - 1}/{m + p - 1} = {percent(gpipe_bubble(p, m))}"
     if m == fewest:
         return _verdict("bubble_budget", True,
-                        f"{at} ≤ {_pct(limit)}, and m = {m - 1} gives {_pct(gpipe_bubble(p, m - 1))}; "
+                        f"{at} ≤ {percent(limit)}, and m = {m - 1} gives {percent(gpipe_bubble(p, m - 1))}; "
                         f"(p − 1)/(m + p − 1) ≤ B ⇔ m ≥ (p − 1)(1 − B)/B = {float((p - 1) * (1 - limit) / limit):g}")
     if m < fewest:
-        return _verdict("bubble_budget", False, f"{at}, more than {_pct(limit)}: more micro-batches are needed")
+        return _verdict("bubble_budget", False, f"{at}, more than {percent(limit)}: more micro-batches are needed")
     return _verdict("bubble_budget", False,
-                    f"{at} ≤ {_pct(limit)}, but fewer micro-batches also stay under it (m = {m - 1} gives "
-                    f"{_pct(gpipe_bubble(p, m - 1))}); solve (p − 1)/(m + p − 1) ≤ {float(limit):g} for m")
+                    f"{at} ≤ {percent(limit)}, but fewer micro-batches also stay under it (m = {m - 1} gives "
+                    f"{percent(gpipe_bubble(p, m - 1))}); solve (p − 1)/(m + p − 1) ≤ {float(limit):g} for m")
 
 
 # -- 4. what ZeRO-3 saves ------------------------------------------------------------------------------------------
@@ -315,18 +277,18 @@ def check_zero3(answer) -> bool:
     from nbtrain.models.presets import build_preset
 
     psi, n = build_preset(MODEL).num_params(), ZERO_DEVICES
-    value = float(_number(answer, unit="GiB"))
+    value = float(number(answer, unit="GiB"))
     truth = model_state_bytes(psi, n, 3) / GiB
-    formula = (f"16Ψ/N = 16 × {psi / 1e9:.2f} B / {n} = {_gib(model_state_bytes(psi, n, 3))} per device "
+    formula = (f"16Ψ/N = 16 × {psi / 1e9:.2f} B / {n} = {gib(model_state_bytes(psi, n, 3))} per device "
                "(2Ψ bf16 params + 2Ψ grads + 12Ψ fp32 master, momentum, variance; Rajbhandari et al. 2020)")
-    details = [f"without ZeRO: 16Ψ = {_gib(model_state_bytes(psi, 1, 0))} on every device; ZeRO-3 saves "
-               f"{_gib(model_state_bytes(psi, 1, 0) - model_state_bytes(psi, n, 3))} per device (×{n} less), "
-               f"ZeRO-2 (params kept whole: 2Ψ + 14Ψ/N) needs {_gib(model_state_bytes(psi, n, 2))}"]
+    details = [f"without ZeRO: 16Ψ = {gib(model_state_bytes(psi, 1, 0))} on every device; ZeRO-3 saves "
+               f"{gib(model_state_bytes(psi, 1, 0) - model_state_bytes(psi, n, 3))} per device (×{n} less), "
+               f"ZeRO-2 (params kept whole: 2Ψ + 14Ψ/N) needs {gib(model_state_bytes(psi, n, 2))}"]
     try:
         states = evaluate(f"dp_shard={n}").predicted.stages[0].memory
-        details.append(f"nbtrain's cost model for 'dp_shard={n}': params {_gib(states.params)} + grads "
-                       f"{_gib(states.grads)} + optimizer {_gib(states.optimizer)} = "
-                       f"{_gib(states.params + states.grads + states.optimizer)}")
+        details.append(f"nbtrain's cost model for 'dp_shard={n}': params {gib(states.params)} + grads "
+                       f"{gib(states.grads)} + optimizer {gib(states.optimizer)} = "
+                       f"{gib(states.params + states.grads + states.optimizer)}")
     except Exception:
         pass
     if abs(value - truth) <= 0.02 * truth:
@@ -361,7 +323,7 @@ def check_checkpointing(answer) -> bool:
     from nbtrain.units import format_bytes, format_seconds
 
     n, full, kept = _checkpointing_numbers()
-    value = float(_number(answer, unit="GiB"))
+    value = float(number(answer, unit="GiB"))
     truth = n * (full - kept) / GiB
     h = profile().arch["n_embd"]
     formula = (f"{n} blocks × ({format_bytes(full)} kept for backward − the input b·s·h·2 = "

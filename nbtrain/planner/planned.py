@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.recommend import baselines, plan
 from nbtrain.planner.report import comparison_table
-from nbtrain.planner.search import SearchOptions
+from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from nbtrain.checks import power_of_two_divisors
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.search import SearchOptions, cuts_stages, executor_problem, keeps_tie_whole, leanest, search
+from nbtrain.planner.reach import cuts_stages, executor_problem, keeps_tie_whole
+from nbtrain.planner.search import leanest, search
+from nbtrain.planner.search_space import SearchOptions
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster

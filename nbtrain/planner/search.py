@@ -22,54 +22,23 @@ the ``top`` plans found.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.frontier import Frontier
 from nbtrain.planner.plan import Plan
-from nbtrain.planner.strategy import Strategy, strategy_space
+from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole
+from nbtrain.planner.search_space import SearchOptions, Task, tasks
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """What the search may choose."""
-
-    schedules: tuple[str, ...] = ("1f1b",)
-    """Pipeline schedules. GPipe keeps all micro-batches in flight for the same bubble, so under this cost model it
-    never beats 1F1B; add ``"gpipe"`` to search it anyway. With fewer micro-batches than stages, which 1F1B cannot
-    run, GPipe is searched whatever this says."""
-    offload_levels: tuple[float, ...] = (0.0, 0.5, 1.0)
-    """Fractions of a layer's optimizer update that may run on the CPU."""
-    allow_ac: bool = True
-    zero_levels: tuple[int, ...] = (2, 3)
-    max_tp: int | None = None
-    pp_degrees: tuple[int, ...] | None = None
-    """Pipeline degrees to try (default: every power of two up to the devices and the layers)."""
-    microbatches: tuple[int, ...] | None = None
-    """Micro-batch counts to try (default: :func:`microbatch_counts`); counts below ``pp`` run GPipe."""
-    memory_grid: int = 64
-    """Cells the memory budget is cut into when a stage's frontier grows large (0: always exact)."""
-
-
-@dataclass
-class _Task:
-    pp: int
-    microbatches: int
-    schedule: str
-    space: list[Strategy]
-    layouts: list[tuple[int, int]]
-    layout_of: np.ndarray
-    tables: dict = field(default_factory=dict)
 
 
 class _Solver:
     """Everything one task needs: per-layer cost arrays, cached stage frontiers, the partition."""
 
-    def __init__(self, model: CostModel, task: _Task, budget: float, kinds: list[int], grid: float,
+    def __init__(self, model: CostModel, task: Task, budget: float, kinds: list[int], grid: float,
                  forced: dict[int, int] | None = None):
         self.model, self.task, self.budget, self.grid = model, task, budget, grid
         self.forced = forced or {}
@@ -222,79 +191,6 @@ class _Solver:
         return float(objective[j]), ranges, chosen
 
 
-def microbatch_counts(global_batch: int) -> tuple[int, ...]:
-    """The micro-batch counts the search tries: divisors of the global batch that are a power of two, or that leave
-    a power of two of sequences per micro-batch (which power-of-two data-parallel degrees split), ascending.
-
-        >>> microbatch_counts(12), microbatch_counts(3), microbatch_counts(64)[-1]
-        ((1, 2, 3, 4, 6, 12), (1, 3), 64)
-    """
-    powers = [2**k for k in range(global_batch.bit_length())]
-    return tuple(sorted({m for m in powers if global_batch % m == 0} |
-                        {global_batch // b for b in powers if global_batch % b == 0}))
-
-
-def _schedules(pp: int, microbatches: int, opts: SearchOptions) -> tuple[str, ...]:
-    """1F1B needs at least as many micro-batches as stages (PyTorch's Schedule1F1B raises otherwise); GPipe runs
-    any count, and with ``m < pp`` it is the only schedule the executor can run."""
-    if pp == 1 or microbatches >= pp:
-        return opts.schedules
-    return ("gpipe",)
-
-
-def _tasks(model: CostModel, opts: SearchOptions) -> list[_Task]:
-    profile, cluster, batch = model.profile, model.cluster, model.global_batch
-    n = len(profile.layers)
-    heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
-    max_tp = 1 if profile.arch.get("no_tensor_parallel") else opts.max_tp
-    unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)
-    traced = profile.arch.get("traced_stages")  # traced stages hold the full head count: no tp inside them
-    pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
-    tasks = []
-    for pp in pps:
-        if cluster.num_devices % pp or pp > n:
-            continue
-        counts = opts.microbatches or microbatch_counts(batch)
-        for m in counts:
-            if batch % m:
-                continue
-            space = [s for s in strategy_space(cluster.num_devices // pp, devices_per_node=cluster.devices_per_node,
-                                               max_tp=1 if pp > 1 and traced else max_tp, max_dp=batch // m,
-                                               offload_levels=opts.offload_levels if pp == 1 else (0.0,),
-                                               allow_ac=opts.allow_ac,
-                                               zero_levels=opts.zero_levels)
-                     if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
-                     and (s.tp == 1 or not unit or unit % s.tp == 0)]
-            # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallel.parallelize.check_plan), so
-            # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
-            spaces = [[s for s in space if not s.offload]]
-            if any(s.offload for s in space):
-                spaces.append([s for s in space if s.tp == 1])
-            for part in spaces:
-                if not part:
-                    continue
-                layouts = sorted({s.layout for s in part})
-                layout_of = np.array([layouts.index(s.layout) for s in part])
-                for schedule in _schedules(pp, m, opts):
-                    tasks.append(_Task(pp, m, schedule, part, layouts, layout_of))
-    return tasks
-
-
-def _is_tied(profile: ModelProfile) -> bool:
-    return len(profile.layers) > 1 and bool(profile.layers[-1].tied)
-
-
-def keeps_tie_whole(profile: ModelProfile) -> bool:
-    """Whether the executor keeps this model's tied embedding and head in one stage without tensor parallelism
-    (``splits_tied`` of its family is false); a family that splits them only needs one strategy for both."""
-    return _is_tied(profile) and not profile.arch.get("splits_tied")
-
-
-def cuts_stages(profile: ModelProfile) -> bool:
-    """Whether the executor can cut this model into pipeline stages (a profile made before it said so: yes)."""
-    return bool(profile.arch.get("cuts_stages", True))
-
-
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
     """The options as the search applies them: one stage for a model the executor does not cut into stages, or
     whose tied embedding and head it keeps whole; no offload where the executor does not offload the model."""
@@ -311,8 +207,8 @@ def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: floa
     profile = model.profile
     kinds = layer_kinds(profile)
     out = []
-    for task in _tasks(model, _allowed(profile, options)):
-        if not _is_tied(profile):
+    for task in tasks(model, _allowed(profile, options)):
+        if not is_tied(profile):
             out.append(_Solver(model, task, budget, kinds, grid))
             continue
         last = len(profile.layers) - 1
@@ -370,7 +266,7 @@ def layer_kinds(profile: ModelProfile) -> list[int]:
     return [ids.setdefault(signature(i), len(ids)) for i in range(len(profile.layers))]
 
 
-def _tidy(chosen: list[int], task: _Task, kinds: list[int], ranges: list[tuple[int, int]]) -> list[int]:
+def _tidy(chosen: list[int], task: Task, kinds: list[int], ranges: list[tuple[int, int]]) -> list[int]:
     """Group equal strategies inside runs of identical layers of one stage that share a layout.
 
     Such layers cost the same whatever their order (no re-layout between them, the same micro-batches in
@@ -387,44 +283,6 @@ def _tidy(chosen: list[int], task: _Task, kinds: list[int], ranges: list[tuple[i
                 out[start:i] = sorted(out[start:i])
                 start = i
     return out
-
-
-def respects_ties(profile: ModelProfile, plan: Plan) -> bool:
-    """Whether a plan gives a tied embedding and head one strategy, and, where the executor keeps the tie whole
-    (:func:`keeps_tie_whole`), one stage and no TP."""
-    if not _is_tied(profile):
-        return True
-    first, last = plan.layers[0], plan.layers[-1]
-    if not keeps_tie_whole(profile):
-        return first == last
-    return plan.pp == 1 and first == last and first.tp == 1
-
-
-def executor_problem(profile: ModelProfile, plan: Plan) -> str:
-    """Why nbtrain's executor cannot run ``plan`` (which the cost model can still predict), or ``""``; the search
-    never returns such a plan. Checked by ``nbtrain.run.parallel.parallelize.check_plan`` and PyTorch before a launch."""
-    if not respects_ties(profile, plan) and not keeps_tie_whole(profile):
-        return "the embedding and the head share their weight, so they need one strategy (the same on both)"
-    if not respects_ties(profile, plan):
-        return ("the embedding and the head share their weight, which the executor keeps in one pipeline stage, "
-                "unsplit by tensor parallelism and with one strategy (pp=1, tp=1 on the first and last layers)")
-    if plan.pp > 1 and not cuts_stages(profile):
-        return profile.arch.get("no_pipeline") or f"the executor does not cut {profile.model} into pipeline stages"
-    if plan.pp > 1 and profile.arch.get("traced_stages") and any(s.tp > 1 for s in plan.layers):
-        return "the executor's traced pipeline stages of this model run without tensor parallelism (tp=1 with pp)"
-    unit = profile.arch.get("tp_unit")
-    uneven = next((s.tp for s in plan.layers if s.tp > 1 and unit and unit % s.tp), None)
-    if uneven:
-        return f"tp={uneven} does not divide the layers' split features and heads ({unit} is their common divisor)"
-    if plan.pp > 1 and plan.schedule == "1f1b" and plan.microbatches < plan.pp:
-        return (f"1F1B needs at least as many micro-batches as stages (mb={plan.microbatches} < pp={plan.pp}); "
-                f"use mb={plan.pp} or more, or schedule=gpipe")
-    offloaded = any(s.offload for s in plan.layers)
-    if offloaded and profile.arch.get("no_offload"):
-        return profile.arch["no_offload"]
-    if offloaded and (plan.pp > 1 or any(s.tp > 1 for s in plan.layers)):
-        return "the executor runs the CPU update offload with data parallelism in one stage, not with tp or pp"
-    return ""
 
 
 def leanest(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,

@@ -21,11 +21,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import statistics
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -42,84 +41,8 @@ from nbtrain.profiler.inputs import inputs_like
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.state.checkpoint import Checkpoint, folder_for_run, with_resume_hint
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
+from nbtrain.run.fit_result import FitResult
 from nbtrain.run.trainer import StepRecord, check_on_nonfinite
-from nbtrain.table import Table
-from nbtrain.units import format_bytes, format_seconds
-
-
-@dataclass(repr=False)  # the step table, also as a notebook's text/plain (papermill, the console)
-class FitResult:
-    """What a parallel training run did, as rank 0 saw it."""
-
-    plan: Plan
-    records: list[StepRecord]
-    predicted_step_s: float | None = None
-    """The cost model's step time for this plan on the described cluster, when a cluster was given."""
-    predicted_memory_bytes: float | None = None
-    """The cost model's memory per device for this plan (the largest stage), when a cluster was given."""
-    state_dict: dict = field(default_factory=dict, repr=False)
-    """The trained weights, whole, on the CPU (already loaded into the model passed to ``fit``); empty when they
-    were saved to ``save_dir`` instead."""
-    save_dir: str | None = None
-    """Where the trained weights were saved with ``torch.distributed.checkpoint``, when ``fit`` was asked to."""
-    trace: list | None = None
-    """With CPU update offload, rank 0's last step as ``(row, label, start_s, end_s)`` events: each layer's
-    backward on the "device" row, its update on the "cpu" row (``nbtrain.notebook.plots.timeline_plot``)."""
-    resumed_at: int = 0
-    """Steps the run had done in the checkpoint it resumed from (0: it started afresh); ``records`` holds those
-    steps too, as the earlier run measured them."""
-    checkpoint: str | None = None
-    """The last complete checkpoint in ``checkpoint_dir`` after the run, when checkpoints were asked for."""
-
-    @property
-    def losses(self) -> list[float]:
-        return [r.loss for r in self.records]
-
-    @property
-    def measured_step_s(self) -> float:
-        """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
-        own = self.records[self.resumed_at:] or self.records  # the steps before a resume came from the checkpoint
-        times = [r.seconds for r in own[1:]] or [r.seconds for r in own]
-        return statistics.median(times)
-
-    def table(self) -> Table:
-        t = Table(["step", "loss", "time", "tokens/s", "peak memory"], align="rrrrr")
-        t.title = f"trained under: {self.plan}"
-        for r in self.records:
-            t.add(r.step, f"{r.loss:.4f}", format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}",
-                  format_bytes(r.peak_memory_bytes))
-        line = f"measured step time (median after the first): {format_seconds(self.measured_step_s)}"
-        if self.predicted_step_s is not None:
-            line += f" · predicted: {format_seconds(self.predicted_step_s)}"
-        t.footer.append(line)
-        peak = max(r.peak_memory_bytes for r in self.records)
-        line = f"peak memory: {format_bytes(peak)}"
-        if not torch.cuda.is_available():
-            line += " (CPU: rank 0's resident memory, torch itself included)"
-        if self.predicted_memory_bytes is not None:
-            line += f" · predicted per device: {format_bytes(self.predicted_memory_bytes)}"
-        t.footer.append(line)
-        if self.resumed_at:
-            t.footer.append(f"resumed after step {self.resumed_at}: the steps up to it were measured by the run "
-                            "that saved the checkpoint")
-        saves = [r.checkpoint_s for r in self.records[self.resumed_at:] if r.checkpoint_s is not None]
-        if saves:
-            t.footer.append(f"checkpoints saved: {len(saves)}, {format_seconds(statistics.median(saves))} each "
-                            f"(median; not in the step times); last: {self.checkpoint}")
-        elif self.checkpoint:
-            t.footer.append(f"last checkpoint: {self.checkpoint}")
-        if self.save_dir:
-            t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "
-                            "load them with nbtrain.run.state.weights.load_saved(model, save_dir)")
-        return t
-
-    def __str__(self) -> str:
-        return str(self.table())
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
 
 
 @dataclass(frozen=True)

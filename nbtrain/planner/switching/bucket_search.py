@@ -1,7 +1,7 @@
 """The cost side of :func:`nbtrain.planner.switching.buckets.plan_buckets`: what a hot switch costs, what each bucket costs
 under every strategy, and the search for the fastest home strategy and grouping of the other buckets.
 
-    >>> costs = BucketCosts(profile, cluster, None, BucketOptions())
+    >>> costs = SwitchingCostModel(profile, cluster, None, BucketOptions())
     >>> best = fastest(costs, [costs.bucket(4096, 48), costs.bucket(32768, 2)])
     >>> best.seconds, [str(costs.space[j]) for j in best.strategies]
     >>> switch_cost("weights", Strategy(dp_shard=2, tp=4), Strategy(dp_replicate=8), params=6.74e9,
@@ -9,7 +9,7 @@ under every strategy, and the search for the fastest home strategy and grouping 
     11795000000.0
 
 **A switch** (HotSPa) moves the parameters from one layout to another; the model, stated so that the executor's
-measurement (:class:`nbtrain.run.switching.reshard.ReshardPlan` counts the bytes each rank receives) can stand beside it:
+measurement (:class:`nbtrain.run.switching.reshard.Resharding` counts the bytes each rank receives) can stand beside it:
 
 * Under a strategy ``S`` a rank holds ``1 / (S.dp_shard × S.tp)`` of every parameter (replicated over
   ``dp_replicate``): FSDP2 and TP each cut a tensor into equal contiguous chunks.
@@ -77,7 +77,7 @@ def link_bandwidth(cluster: Cluster) -> float:
 
 
 @dataclass(frozen=True)
-class Switch:
+class PredictedSwitch:
     """One re-layout per step, as the planner predicts it."""
 
     what: str
@@ -94,10 +94,10 @@ class Switch:
 
 
 def switch_cost(what: str, source: Strategy, target: Strategy, *, params: float, bytes_per_param: float,
-                cluster: Cluster) -> Switch:
+                cluster: Cluster) -> PredictedSwitch:
     """The predicted switch of ``params`` parameters of ``bytes_per_param`` bytes from ``source`` to ``target``."""
     nbytes = params * bytes_per_param * received_fraction(source, target)
-    return Switch(what, source, target, nbytes, nbytes / link_bandwidth(cluster))
+    return PredictedSwitch(what, source, target, nbytes, nbytes / link_bandwidth(cluster))
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Assignment:
     """Index into the space, per bucket (the last is ``home``)."""
 
 
-class BucketCosts:
+class SwitchingCostModel:
     """The cost model over the strategy space: model states, update and switches per strategy; costs per bucket."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, budget: float | None, options):
@@ -204,7 +204,7 @@ class BucketCosts:
         return self.states[home] + own + Memory(params=away.params, grads=away.grads)
 
 
-def fastest(costs: BucketCosts, buckets: list[BucketCost]) -> Assignment | None:
+def fastest(costs: SwitchingCostModel, buckets: list[BucketCost]) -> Assignment | None:
     """The fastest home strategy and strategy per bucket (shortest first; the last is the home), or None."""
     size = len(costs.space)
     everyone = np.arange(size)
@@ -257,7 +257,7 @@ def fastest(costs: BucketCosts, buckets: list[BucketCost]) -> Assignment | None:
     return Assignment(float(total[home]), home, strategies)
 
 
-def static(costs: BucketCosts, buckets: list[BucketCost]) -> tuple[float, int] | None:
+def fastest_single_strategy(costs: SwitchingCostModel, buckets: list[BucketCost]) -> tuple[float, int] | None:
     """(step time, strategy index) of the fastest single strategy that runs every bucket within the budget."""
     total = costs.update + buckets[-1].sync  # one sync, overlapped with the last (longest) bucket
     for b in buckets:

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
-from nbtrain.planner.switching.bucket_search import Assignment, BucketCosts, Switch, fastest, static
+from nbtrain.planner.switching.bucket_search import (Assignment, PredictedSwitch, SwitchingCostModel, fastest,
+                                                    fastest_single_strategy)
 from nbtrain.planner.cost import CostOptions, Memory
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster
@@ -130,7 +131,7 @@ class BucketPlan:
     num_devices: int
     buckets: tuple[Bucket, ...]
     """Shortest first; the last runs under the home strategy."""
-    switches: tuple[Switch, ...]
+    switches: tuple[PredictedSwitch, ...]
     """Per step, in the order they run."""
     update_s: float
     """The optimizer update in the home layout."""
@@ -228,22 +229,22 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
     if len(given) > MAX_BUCKETS:
         raise InvalidArgumentError(f"{len(given)} buckets are more than the search takes ({MAX_BUCKETS}); use "
                                    "coarser bounds, e.g. powers of 4 (256, 1K, 4K, 16K, 64K)")
-    costs = BucketCosts(profile, cluster, parse_bytes(memory) if memory is not None else None, options)
+    costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options)
     as_given = [[b] for b in given]
     parts, notes = as_given, ()
     while options.merge and len(parts) > MAX_EXHAUSTIVE:  # greedily: the merge that gives the fastest step
         parts = min((parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:] for i in range(len(parts) - 1)),
-                    key=lambda grouping: _fastest(costs, grouping)[0].seconds)
+                    key=lambda grouping: _fastest_grouping(costs, grouping)[0].seconds)
         notes = (f"{len(given)} buckets: adjacent ones were merged greedily (the fastest merge first) down to "
                  f"{MAX_EXHAUSTIVE}, then every merging of those was tried, beside the buckets as given",)
     candidates = (([as_given] if parts is not as_given else []) + _mergings(parts)) if options.merge else [as_given]
-    best = min((_fastest(costs, grouping) for grouping in candidates), key=lambda x: x[0].seconds)
+    best = min((_fastest_grouping(costs, grouping) for grouping in candidates), key=lambda x: x[0].seconds)
     if not math.isfinite(best[0].seconds):
         raise NoFeasiblePlanError(_no_fit(costs, given))
     return _plan(costs, given, *best, notes=notes)
 
 
-def _fastest(costs: BucketCosts, grouping: list) -> tuple[Assignment, list, list]:
+def _fastest_grouping(costs: SwitchingCostModel, grouping: list) -> tuple[Assignment, list, list]:
     """The fastest assignment for a grouping of the given buckets (infinitely slow when nothing fits)."""
     merged = [costs.bucket(group[-1][0], merged_rows(group)) for group in grouping]
     found = fastest(costs, merged) or Assignment(math.inf, -1, [])
@@ -295,7 +296,7 @@ def _mergings(parts: list) -> list:
     return out
 
 
-def _plan(costs: BucketCosts, given, found, grouping, merged, notes) -> BucketPlan:
+def _plan(costs: SwitchingCostModel, given, found, grouping, merged, notes) -> BucketPlan:
     space, home = costs.space, found.home
     last_of = {j: k for k, j in enumerate(found.strategies)}  # each strategy syncs after its last bucket
     buckets, lower = [], 0
@@ -311,7 +312,7 @@ def _plan(costs: BucketCosts, given, found, grouping, merged, notes) -> BucketPl
     alone = None
     one_bucket = [(given[-1][0], merged_rows(given))]
     for packing in (given, one_bucket) if len(given) > 1 else (given,):
-        found_static = static(costs, [costs.bucket(bound, rows) for bound, rows in packing])
+        found_static = fastest_single_strategy(costs, [costs.bucket(bound, rows) for bound, rows in packing])
         if found_static is not None and (alone is None or found_static[0] < alone.step_time_s):
             seconds, j = found_static
             need = max(float(costs.home_memory(costs.bucket(bound, rows))[j]) for bound, rows in packing)
@@ -320,7 +321,7 @@ def _plan(costs: BucketCosts, given, found, grouping, merged, notes) -> BucketPl
                       sum(bound * rows for bound, rows in given), costs.budget, alone, notes)
 
 
-def _no_fit(costs: BucketCosts, given) -> str:
+def _no_fit(costs: SwitchingCostModel, given) -> str:
     """Why nothing fits, and what to change."""
     c = costs.cluster
     bound, rows = given[-1]

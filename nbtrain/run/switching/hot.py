@@ -11,7 +11,7 @@ parallel, or their mixes, on every process). The *home* strategy is the longest 
 weights the optimizer updates and the optimizer state, all step long. A step runs the other strategies first,
 shortest buckets first, each as HotSPa does:
 
-1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.ReshardPlan`, planned once per pair);
+1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.Resharding`, planned once per pair);
 2. forward and backward of each of its buckets' rows (each data-parallel rank its rows; the gradient sync of that
    layout once, after its last bucket);
 3. switch the gradients strategy → home, *added* to the home model's ``.grad``;
@@ -45,12 +45,12 @@ from nbtrain.planner.strategy import Strategy
 from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.models.description import layer_slots
 from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
-from nbtrain.run.switching.reshard import ReshardPlan
+from nbtrain.run.switching.reshard import Resharding
 from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
 
 
 @dataclass(frozen=True)
-class Switch:
+class MeasuredSwitch:
     """One re-layout of a step, as this rank measured it."""
 
     what: str
@@ -69,7 +69,7 @@ class SwitchStepRecord:
     seconds: float
     bucket_seconds: dict[int, float]
     """Forward and backward seconds per bucket bound (on this rank)."""
-    switches: list[Switch] = field(default_factory=list)
+    switches: list[MeasuredSwitch] = field(default_factory=list)
 
     @property
     def switch_seconds(self) -> float:
@@ -147,9 +147,9 @@ class HotSwitching:
             groups = [{"params": ps} for ps in group_by_kind(self.home.params)]
             self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
         self.offloaded = offload is not None
-        self._to = {s: ReshardPlan(self.home.params, layout.params) for s, layout in self.layouts.items()
+        self._to = {s: Resharding(self.home.params, layout.params) for s, layout in self.layouts.items()
                     if layout is not self.home}
-        self._back = {s: ReshardPlan(layout.params, self.home.params) for s, layout in self.layouts.items()
+        self._back = {s: Resharding(layout.params, self.home.params) for s, layout in self.layouts.items()
                       if layout is not self.home}
 
     def step(self, buckets) -> SwitchStepRecord:
@@ -176,7 +176,7 @@ class HotSwitching:
             if away:
                 self._to[strategy].run([local_shard(p.detach()) for p in self.home.params],
                                        [local_shard(p.detach()) for p in layout.params])
-                switches.append(Switch("weights", str(strategy), self._to[strategy].seconds,
+                switches.append(MeasuredSwitch("weights", str(strategy), self._to[strategy].seconds,
                                        self._to[strategy].bytes_received))
             for i, bucket in enumerate(mine):
                 t0 = time.perf_counter()
@@ -187,7 +187,7 @@ class HotSwitching:
                 seconds[bucket.bound] = time.perf_counter() - t0
             if away:
                 self._add_gradients(strategy, layout)
-                switches.append(Switch("gradients", str(strategy), self._back[strategy].seconds,
+                switches.append(MeasuredSwitch("gradients", str(strategy), self._back[strategy].seconds,
                                        self._back[strategy].bytes_received))
         if self.clip_norm is not None and not self.offloaded:  # an offloaded optimizer clips itself, exactly
             clip_grad_norm(self.home.params, self.clip_norm)

@@ -1,6 +1,6 @@
 """Move a model's tensors from one layout to another: the finest common slices, kept where held, the rest sent.
 
-    >>> plan = ReshardPlan(src_model.parameters(), dst_model.parameters())   # collective, once per pair
+    >>> plan = Resharding(src_model.parameters(), dst_model.parameters())   # collective, once per pair
     >>> plan.run([local_shard(p) for p in src_params], [local_shard(p) for p in dst_params])  # weights, src → dst
     >>> plan.seconds, plan.bytes_received                                    # the last run, this rank
 
@@ -76,7 +76,7 @@ class _Move:
         return math.prod(hi - lo for lo, hi in self.cell)
 
 
-class ReshardPlan:
+class Resharding:
     """Which slices of which tensors each rank keeps, sends and receives to go from one layout to another.
 
     ``src`` and ``dst``: the same tensors (same global shapes, same order) in the two layouts. Collective over

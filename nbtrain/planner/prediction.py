@@ -1,0 +1,123 @@
+"""What the cost model predicts for a plan: memory and time by what they are made of, per layer, per stage and for
+the step (:class:`Prediction`, kept with a plan as ``plan.predicted`` and written to JSON with it).
+
+    >>> (Memory(params=2.0, grads=1.0) + Memory(params=1.0)).total
+    4.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+class Sum:
+    """Fields that add up: ``total`` and field-wise ``+`` (for Memory and Time)."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other):
+        return type(self)(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class Memory(Sum):
+    """Bytes per device, by what they hold."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    transient: float = 0.0
+    reserve: float = 0.0
+
+
+@dataclass(frozen=True)
+class Time(Sum):
+    """Seconds per step, by what they are spent on (communication counts only where not hidden)."""
+
+    compute: float = 0.0
+    tp_comm: float = 0.0
+    zero3_comm: float = 0.0
+    dp_comm: float = 0.0
+    offload: float = 0.0
+    relayout: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+    update: float = 0.0
+    """The device's own optimizer step (its share of the update), where its rate is known: a CPU "device"."""
+
+    def scaled(self, k: float) -> "Time":
+        return Time(*(getattr(self, f.name) * k for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer under one strategy: resident memory, transient peak, and time per micro-batch."""
+
+    memory: Memory
+    """Resident bytes with activations for ONE micro-batch (the stage multiplies by the micro-batches in flight)."""
+    activations: float
+    """Activation bytes of one micro-batch (already in ``memory.activations``)."""
+    transient: float
+    time: Time
+    """Per micro-batch, once-per-step costs spread over the micro-batches."""
+    host_bytes: float
+    """Offloaded optimizer state in host memory."""
+
+    def resident(self, in_flight: int) -> float:
+        return self.memory.total + (in_flight - 1) * self.activations
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """One pipeline stage: its layers, memory per device and time per micro-batch."""
+
+    start: int
+    end: int
+    in_flight: int
+    memory: Memory
+    time_per_microbatch: float
+    host_bytes: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for a plan."""
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs (no recompute) per step / (step time × devices × peak FLOP/s)."""
+    stages: tuple[StagePrediction, ...]
+    time: Time
+    budget_bytes: float
+    host_budget_bytes: float
+    reserve_parts: tuple[tuple[str, float], ...] = ()
+    """What each stage's ``memory.reserve`` is made of: (what, bytes per device) pairs (:func:`reserve_parts`)."""
+
+    @property
+    def memory_bytes(self) -> float:
+        """The largest memory per device over the stages."""
+        return max(stage.memory.total for stage in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        host = max(stage.host_bytes for stage in self.stages)
+        return self.memory_bytes <= self.budget_bytes and host <= self.host_budget_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory_bytes"] = self.memory_bytes
+        d["fits"] = self.fits
+        d["reserve_parts"] = {what: nbytes for what, nbytes in self.reserve_parts}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Prediction":
+        stages = tuple(StagePrediction(**{**s, "memory": Memory(**s["memory"])}) for s in d["stages"])
+        keep = {k: v for k, v in d.items() if k not in ("memory_bytes", "fits", "stages", "time", "reserve_parts")}
+        parts = d.get("reserve_parts") or {}
+        parts = tuple(parts.items()) if isinstance(parts, dict) else tuple(tuple(p) for p in parts)
+        return cls(**keep, stages=stages, time=Time(**d["time"]), reserve_parts=parts)
