@@ -10,7 +10,7 @@ import nbtrain
 from nbtrain.cli import main
 from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
 from nbtrain.planner.cost import Prediction
-from nbtrain.planner.recommend import baselines
+from nbtrain.planner.recommend import NEAR, baselines
 from nbtrain.planner.report import comparison_table
 from nbtrain.planner.plan import Plan
 
@@ -35,21 +35,23 @@ def test_recommended_plan_fits_and_is_never_slower_than_a_uniform_baseline_that_
     assert {b.name for b in known} >= {"DDP", "FSDP (ZeRO-3)", "ZeRO-Offload"}
     for baseline in known:
         if baseline.fits:
-            assert best.predicted.step_time_s <= baseline.plan.predicted.step_time_s * (1 + 1e-12), baseline.name
+            # the recommendation is the simplest plan within NEAR (2%) of the fastest: never slower than that
+            assert best.predicted.step_time_s <= baseline.plan.predicted.step_time_s * (1 + NEAR), baseline.name
 
 
-def test_alternatives_are_slower_or_equal_and_all_fit(llama7b):
+def test_alternatives_are_fastest_first_all_fit_and_none_is_two_percent_faster_than_the_recommendation(llama7b):
     best = nbtrain.plan(llama7b, h100s(memory="24GiB"), global_batch=64, seq_len=2048, top=3)
     assert len(best.alternatives) == 2
-    times = [best.predicted.step_time_s] + [alt.predicted.step_time_s for alt in best.alternatives]
+    times = [alt.predicted.step_time_s for alt in best.alternatives]
     assert times == sorted(times)
     assert all(alt.predicted.fits for alt in best.alternatives)
+    assert best.predicted.step_time_s <= min(times) * (1 + NEAR)
 
 
 def test_more_memory_never_makes_the_recommendation_slower(llama7b):
     times = [nbtrain.plan(llama7b, h100s(memory=f"{m}GiB"), global_batch=64, seq_len=2048).predicted.step_time_s
              for m in (16, 24, 36, 48)]
-    assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(times, times[1:]))
+    assert all(later <= earlier * (1 + NEAR) for earlier, later in zip(times, times[1:]))  # simplest within 2%
 
 
 def test_a_typed_strategy_is_evaluated_not_searched(llama7b):

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from nbtrain.checks import power_of_two_divisors
-from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.reach import cuts_stages, executor_problem, keeps_tie_whole
 from nbtrain.planner.search import leanest, search
@@ -138,8 +138,52 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
         if lean is not None and lean.predicted.fits:  # the search missed it (its merged frontier): take it
             return lean.replace(predicted=lean.predicted, notes=notes)
         raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, lean, options))
-    best, rest = ranked[0], tuple(ranked[1:top])
+    model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
+                      options=cost_options)
+    ranked += [p for p in _uniform_variants(model, ranked[0]) if p not in ranked and p.predicted.fits
+               and not executor_problem(profile, p)]
+    ranked.sort(key=lambda p: p.predicted.step_time_s)
+    best = simplest_near(ranked)
+    rest = tuple(p for p in ranked if p != best)[:top - 1]
+    if best != ranked[0]:
+        gain = best.predicted.step_time_s / ranked[0].predicted.step_time_s - 1
+        notes += (f"the simplest plan within {NEAR:.0%} of the fastest predicted step was chosen; the fastest, "
+                  f"{ranked[0]}, is {gain:.2%} faster (alternative 1)",)
     return best.replace(predicted=best.predicted, alternatives=rest, notes=notes)
+
+
+NEAR = 0.02
+"""Plans within 2% of the fastest predicted step are equal to the recommendation: it takes the simplest of them
+(a prediction is not that exact, and a uniform plan is easier to run, read and debug than a per-layer mix)."""
+
+
+def simplicity(plan: Plan) -> tuple:
+    """Smaller is simpler: fewer distinct strategies (uniform before a per-layer mix), no pipeline, no tensor
+    parallelism, no sharding (DDP before FSDP), no offload, no checkpointing."""
+    layers = plan.layers
+    return (len(set(layers)), plan.pp > 1, any(s.tp > 1 for s in layers), any(s.dp_shard > 1 for s in layers),
+            any(s.offload for s in layers), any(s.ac for s in layers))
+
+
+def simplest_near(ranked: list[Plan]) -> Plan:
+    """The simplest of the plans (fastest first) whose predicted step is within :data:`NEAR` of the fastest's."""
+    limit = ranked[0].predicted.step_time_s * (1 + NEAR)
+    near = [p for p in ranked if p.predicted.step_time_s <= limit]
+    return min(near, key=lambda p: (simplicity(p), p.predicted.step_time_s))
+
+
+def _uniform_variants(model: CostModel, plan: Plan) -> list[Plan]:
+    """Each strategy of ``plan`` on every layer, with its pipeline, micro-batches and schedule, predicted."""
+    out = []
+    for strategy in dict.fromkeys(plan.layers):
+        if plan.layers == (strategy,) * plan.num_layers:
+            continue
+        try:
+            uniform = plan.replace(layers=(strategy,) * plan.num_layers, predicted=None, alternatives=(), notes=())
+        except InvalidPlanError:
+            continue
+        out.append(uniform.replace(predicted=model.estimate(uniform)))
+    return out
 
 
 def _and(items: list[str]) -> str:
