@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
     q.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node (default ≤ 8)")
     q.add_argument("--gpu", default="H100", help="device from the catalog (default H100)")
+    q.add_argument("--cluster", default=None, metavar="FILE",
+                   help="plan for the cluster saved in FILE (nbtrain cluster ... --save FILE) instead of --gpu/--gpus")
     q.add_argument("--memory", default=None, help="memory budget per device, e.g. 40GiB (default: the device's)")
     q.add_argument("--batch", type=_positive_int, required=True, help="global batch: sequences per step")
     q.add_argument("--seq", type=_positive_int, default=None, help="tokens per sequence (default: as profile)")
@@ -151,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node (default ≤ 8)")
     c.add_argument("--detect", action="store_true", help="describe this machine, measured by micro-benchmarks")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c.add_argument("--save", default=None, metavar="FILE",
+                   help="also write the description as JSON, for 'nbtrain plan --cluster FILE'")
     c.set_defaults(run=_cluster)
     return parser
 
@@ -171,7 +175,11 @@ def _plan(args) -> None:
     from nbtrain.profiler.hardware import Cluster
     from nbtrain.profiler.model import profile
 
-    cluster = Cluster.from_catalog(args.gpu, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
+    if args.cluster and (args.gpus != 1 or args.gpus_per_node or args.gpu != "H100"):
+        raise InvalidArgumentError("--cluster FILE describes the devices, so --gpu, --gpus and --gpus-per-node have "
+                                   "no meaning with it; give one or the other")
+    cluster = Cluster.load(args.cluster) if args.cluster else \
+        Cluster.from_catalog(args.gpu, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
     prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
     job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
                            strategy=args.strategy, top=args.top)
@@ -270,6 +278,9 @@ def _cluster(args) -> None:
     else:
         raise NbtrainError("name a device from the catalog (e.g. 'nbtrain cluster H100 --gpus 8') or pass --detect")
     print(json.dumps(cluster.to_dict(), indent=2) if args.json else cluster)
+    if args.save:
+        cluster.save(args.save)
+        print(f"saved to {args.save}; plan for it with: nbtrain plan MODEL --cluster {args.save} --batch B")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,3 +225,36 @@ def test_an_allreduce_that_runs_out_of_time_stops_its_workers_and_says_so():
     with pytest.raises(CalibrationError, match="workers were stopped"):
         bench.allreduce_bandwidth(world_size=2, timeout=0.5)  # workers cannot even import torch in 0.5 s
     assert not multiprocessing.active_children()
+
+
+def test_a_cluster_measured_once_is_saved_and_planned_for_again_without_measuring(tmp_path, capsys):
+    from nbtrain.cli import main
+
+    here = Cluster.detect(calibrate=False)           # this machine, as a GPU cluster's figures would be too
+    here.save(tmp_path / "here.json")
+    assert Cluster.load(tmp_path / "here.json") == here
+    catalog = Cluster.from_catalog("H100", num_devices=16)
+    catalog.save(tmp_path / "h100x16.json")
+    assert main(["plan", "gpt-tiny", "--cluster", str(tmp_path / "h100x16.json"), "--batch", "32", "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main(["plan", "gpt-tiny", "--gpus", "16", "--batch", "32", "--json"]) == 0
+    assert from_file == json.loads(capsys.readouterr().out)  # the same plan as for the catalog's 16 × H100
+
+
+def test_a_saved_cluster_that_cannot_be_read_says_how_to_write_one(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(InvalidArgumentError, match="not a cluster"):
+        Cluster.load(tmp_path / "list.json")
+    with pytest.raises(InvalidArgumentError, match="nbtrain cluster --detect --save FILE"):
+        Cluster.load(tmp_path / "missing.json")
+    (tmp_path / "partial.json").write_text('{"device": {"name": "H100"}}')
+    with pytest.raises(InvalidArgumentError):
+        Cluster.load(tmp_path / "partial.json")
+
+
+def test_plan_for_a_saved_cluster_refuses_catalog_flags_beside_it(tmp_path, capsys):
+    from nbtrain.cli import main
+
+    Cluster.from_catalog("H100", num_devices=8).save(tmp_path / "c.json")
+    assert main(["plan", "gpt-tiny", "--cluster", str(tmp_path / "c.json"), "--gpus", "4", "--batch", "8"]) == 2
+    assert "--cluster FILE describes the devices" in capsys.readouterr().err

@@ -15,9 +15,11 @@ line rate over its device count (DGX nodes have one NIC per GPU). No torch impor
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from nbtrain.errors import InvalidArgumentError, UnknownDeviceError
 from nbtrain.table import Table
@@ -310,6 +312,28 @@ class Cluster:
         if missing:
             raise InvalidArgumentError(f"a cluster description lacks {', '.join(missing)}")
         return cls(**data)
+
+    def save(self, path) -> None:
+        """Write this description as JSON, so a cluster measured once (``Cluster.detect()``, or a GPU cluster's
+        figures) is planned for again without measuring: ``Cluster.load(path)``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path) -> Cluster:
+        """The cluster :meth:`save` (or ``nbtrain cluster ... --save``) wrote to ``path``.
+
+            >>> Cluster.from_catalog("H100", num_devices=16).save("h100x16.json")
+            >>> Cluster.load("h100x16.json").num_devices
+            16
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise InvalidArgumentError(f"cannot read a cluster from {path}: {error}; write one with "
+                                       "'nbtrain cluster --detect --save FILE' or Cluster.save(FILE)") from None
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"{path} holds {type(data).__name__}, not a cluster (a JSON object)")
+        return cls.from_dict(data)
 
     def summary(self) -> str:
         """One line: ``8 × H100 (1 node) · 80.00 GiB each · 989.4 TFLOP/s bf16 · NVLink 450.0 GB/s``."""
