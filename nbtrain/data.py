@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from nbtrain.data_corpus import stdlib_batches, stdlib_documents, tokenize
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
 
 __all__ = ["IGNORE", "PackedRows", "as_documents", "bucket_of", "document_mask", "document_positions",
@@ -159,8 +160,7 @@ def pack(documents: Documents, bound: int) -> PackedRows:
         >>> rows.doc_ids.tolist()
         [[0, 0, 0, 0, 0, 0, -1, -1], [0, 0, 0, 0, 0, 1, 1, 1]]
     """
-    if not isinstance(bound, int) or bound < 1:
-        raise InvalidArgumentError(f"bound must be a positive number of tokens per row, got {bound!r}")
+    positive_int(bound, f"bound must be a positive number of tokens per row, got {bound!r}")
     return _pack(as_documents(documents), bound)
 
 
@@ -258,8 +258,7 @@ def length_batches(documents: Documents, *, tokens_per_step: int, bounds: Sequen
     """
     docs = as_documents(documents)
     bounds = _check_bounds(bounds)
-    if not isinstance(tokens_per_step, int) or tokens_per_step < 1:
-        raise InvalidArgumentError(f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")
+    positive_int(tokens_per_step, f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")
     if steps is not None and (not isinstance(steps, int) or steps < 0):
         raise InvalidArgumentError(f"steps must be a non-negative integer or None (endless), got {steps!r}")
     return _batches(docs, tokens_per_step, bounds, seed, steps)

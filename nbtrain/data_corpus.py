@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
 
 # GPT-2's pre-tokeniser (Radford et al. 2019, encoder.py) without its Unicode classes: a word or one punctuation
@@ -41,8 +42,7 @@ def tokenize(text: str, vocab_size: int) -> torch.Tensor:
 
 
 def _check_vocab_size(vocab_size: int) -> None:
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise InvalidArgumentError(f"vocab_size must be a positive integer (the model's), got {vocab_size!r}")
+    positive_int(vocab_size, f"vocab_size must be a positive integer (the model's), got {vocab_size!r}")
 
 
 def _tokenize(text: str, vocab_size: int, table: dict[str, int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import html
 import os
 import time
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError
 from nbtrain.notebook.plots import CATEGORIES, COLORS
 from nbtrain.units import format_bytes, format_seconds
@@ -100,8 +101,7 @@ class PlanExplorer:
 
             profile = run_profile(profile, batch_size=1, seq_len=seq_len)
         for name, value in (("num_devices", num_devices), ("devices_per_node", devices_per_node)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a whole number ≥ 1, got {value!r}")
+            positive_int(value, f"{name} must be a whole number ≥ 1, got {value!r}")
         self.profile = profile
         self.plan = None
         self.error: str | None = None

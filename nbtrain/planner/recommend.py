@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nbtrain.checks import power_of_two_divisors
-from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NoFeasiblePlanError
+from nbtrain.checks import positive_int, power_of_two_divisors
+from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.reach import cuts_stages, executor_problem, keeps_tie_whole
 from nbtrain.planner.search import leanest, search
@@ -111,8 +111,7 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
         from nbtrain.profiler.model import profile as run_profile
 
         profile = run_profile(profile, batch_size=1, seq_len=seq_len)
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise InvalidArgumentError(f"the global batch must be a positive integer, got {global_batch!r}")
+    positive_int(global_batch, f"the global batch must be a positive integer, got {global_batch!r}")
     budget = parse_bytes(memory) if memory is not None else None
     seq_len = seq_len or profile.seq_len
     if strategy is not None:

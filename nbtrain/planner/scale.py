@@ -13,6 +13,7 @@ micro-batches shrink with the pipeline (as many per stage as planned: they were 
 
 from __future__ import annotations
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
@@ -22,8 +23,7 @@ def scale_plan(plan: Plan, num_devices: int, *, global_batch: int | None = None,
                seq_len: int | None = None) -> Plan:
     """``plan`` on ``num_devices`` devices (a power-of-two ratio to its own), with ``global_batch`` and
     ``seq_len`` when given (the global batch defaults to the smallest one every layer can split)."""
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise InvalidArgumentError(f"num_devices must be a positive int, got {num_devices!r}")
+    positive_int(num_devices, f"num_devices must be a positive int, got {num_devices!r}")
     big, small = max(plan.num_devices, num_devices), min(plan.num_devices, num_devices)
     if big % small or (big // small) & (big // small - 1):
         raise InvalidArgumentError(f"a plan for {plan.num_devices} devices scales to a power-of-two multiple or "

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, UnknownDeviceError
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_rate, parse_bytes
@@ -186,9 +187,8 @@ class Cluster:
     def __post_init__(self) -> None:
         for name in ("num_devices", "devices_per_node"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a whole number ≥ 1, got {value!r} "
-                                           "(count GPUs, or worker processes on CPU)")
+            positive_int(value, f"{name} must be a whole number ≥ 1, got {value!r} (count GPUs, or worker processes "
+                                "on CPU)")
         for name, (unit, is_bytes) in _UNITS.items():
             value = getattr(self, name)
             if is_bytes and isinstance(value, str):

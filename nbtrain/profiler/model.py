@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family
 from nbtrain.models.description import describe, planner_facts
@@ -290,8 +291,7 @@ def _check_shape(batch_size: int, seq_len: int | None, family: ModelFamily) -> i
     if seq_len is None:
         seq_len = min(family.max_seq_len or 1024, 1024)
     for label, value in (("batch size", batch_size), ("sequence length", seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidArgumentError(f"{label} must be a positive integer, got {value!r}")
+        positive_int(value, f"{label} must be a positive integer, got {value!r}")
     if family.max_seq_len and seq_len > family.max_seq_len:
         raise InvalidArgumentError(
             f"sequence length {seq_len} exceeds the model's context length {family.max_seq_len}; "

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.models.description import describe
 from nbtrain.planner.plan import Plan
@@ -256,12 +257,10 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     from nbtrain.models.description import check_tensor_parallel_plan
     from nbtrain.run.launch.workers import launch, launched_externally, runs_in_this_process
 
-    if not isinstance(steps, int) or steps < 1:
-        raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
+    positive_int(steps, f"steps must be a positive integer, got {steps!r}")
     check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
     adamw = _check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
-    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise InvalidArgumentError(f"accumulate must be a positive integer (batches per step), got {accumulate!r}")
+    positive_int(accumulate, f"accumulate must be a positive integer (batches per step), got {accumulate!r}")
     if optimizer is not None and not callable(optimizer):
         raise InvalidArgumentError(f"optimizer must be a factory called on the parameters, e.g. lambda groups: "
                                    f"torch.optim.SGD(groups, lr=0.1), got {type(optimizer).__name__}")

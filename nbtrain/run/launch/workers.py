@@ -41,6 +41,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any, Callable
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, LaunchError
 from nbtrain.run.launch.environment import (SIGNALS, check_limit, cpu_env, free_port, launch_env, port_is_free,
                                              visible_gpus)
@@ -76,9 +77,8 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     """
     if not callable(fn):
         raise InvalidArgumentError(f"launch needs a function to run, got {type(fn).__name__}: launch(train, ...)")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise InvalidArgumentError(f"num_processes must be a positive int, got {num_processes!r}; "
-                                   "e.g. launch(fn, num_processes=2)")
+    positive_int(num_processes, f"num_processes must be a positive int, got {num_processes!r}; "
+                                "e.g. launch(fn, num_processes=2)")
     if timeout is not None and not timeout > 0:
         raise InvalidArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     pg_timeout = datetime.timedelta(seconds=timeout) if timeout else _PG_TIMEOUT

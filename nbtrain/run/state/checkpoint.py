@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nbtrain.checks import positive_int
 from nbtrain.errors import CheckpointError, InvalidArgumentError
 from nbtrain.run.trainer import StepRecord
 
@@ -197,8 +198,8 @@ def _decode(text: str | None) -> torch.Tensor | None:
 def folder_for_run(model: torch.nn.Module, checkpoint_dir, every, resume: bool, steps: int | None = None):
     """``fit``'s checkpoint folder and the checkpoint to start from (None: afresh), checked before launching.
     Resuming a run already at ``steps`` or beyond trains nothing: a note says so."""
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise InvalidArgumentError(f"checkpoint_every must be a positive number of steps, got {every!r}")
+    if every is not None:
+        positive_int(every, f"checkpoint_every must be a positive number of steps, got {every!r}")
     if checkpoint_dir is None:
         if every is not None or resume:
             flag = "resume=True" if resume else f"checkpoint_every={every}"
