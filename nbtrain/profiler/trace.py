@@ -51,18 +51,25 @@ class Counts:
     """The segment in which each module first ran (to attribute parameters outside the blocks)."""
 
 
+def call_arguments(inputs, kwargs: dict | None = None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` that call a model on a batch's ``inputs``: a tensor is its one argument, a tuple or list
+    its arguments, a dict its keywords; ``kwargs`` (the family's ``use_cache=False``) where ``inputs`` does not
+    name them."""
+    kwargs = dict(kwargs or {})
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), kwargs
+    if isinstance(inputs, dict):
+        return (), {**kwargs, **inputs}
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), kwargs
+    raise ProfileError(f"inputs(batch, seq, device) returned {type(inputs).__name__} arguments; return "
+                       "(args, targets) with args a tensor, a tuple of tensors or a dict of keyword tensors")
+
+
 def call_model(model: nn.Module, args, kwargs: dict, params: dict | None = None):
     """``model(args)`` for a tensor, ``model(*args)`` for a tuple or list, ``model(**args)`` for a dict, with the
     family's ``kwargs`` (``use_cache=False``) unless ``args`` names them; through ``params`` when given."""
-    if isinstance(args, torch.Tensor):
-        args = (args,)
-    elif isinstance(args, dict):
-        args, kwargs = (), {**kwargs, **args}
-    elif isinstance(args, (tuple, list)):
-        args = tuple(args)
-    else:
-        raise ProfileError(f"inputs(batch, seq, device) returned {type(args).__name__} arguments; return "
-                           "(args, targets) with args a tensor, a tuple of tensors or a dict of keyword tensors")
+    args, kwargs = call_arguments(args, kwargs)
     if params is None:
         return model(*args, **kwargs)
     return functional_call(model, params, args, kwargs, strict=False)

@@ -272,13 +272,14 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
                          lm_targets=lm_targets)
     rows, length = batch_shape(ids)
     plan = plan_for(model, plan, num_processes, global_batch=rows, seq_len=length, tp_plan=tp_plan)
-    traced = plan.pp > 1 and describe(model, tp_plan).stages == "traced"
+    description = describe(model, tp_plan) if plan.pp > 1 else None
+    traced = description is not None and description.stages == "traced"
     if plan.pp > 1 and not isinstance(ids, torch.Tensor) and not traced:
         raise InvalidArgumentError(f"a pipeline (pp={plan.pp}) of {type(model).__name__} passes one tensor from stage "
                                    f"to stage, but the batches' inputs are a {type(ids).__name__}; give the inputs "
                                    "as one tensor, or plan with pp=1")
     if traced:  # refused here, before the workers: a model that cannot be traced, or cut where its stages begin
-        check_traceable(model, describe(model, tp_plan), plan, example_microbatch(ids, plan, 0))
+        check_traceable(model, description, plan, example_microbatch(ids, plan, 0))
     num_processes = num_processes or plan.num_devices
     if optimizer is not None and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("optimizer= with CPU update offload: the offloaded update stays AdamW (it runs "

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from nbtrain.models.description import described
 from nbtrain.models.stages import stage_layers
 from nbtrain.planner.plan import Plan
+from nbtrain.profiler.trace import call_arguments
 from nbtrain.run.batches import chunk_rows
 from nbtrain.run.parallel.mesh import PlanMeshes, device_type, local_shard
 from nbtrain.run.parallel.parallelize import add_fsdp_root
@@ -114,8 +115,7 @@ class PipelineRunner:
         """Forward and backward of this data-parallel slice's rows (token ids, or any tensor, tuple or dict of
         them: the first stage's inputs); the last stage returns their mean loss."""
         losses: list[torch.Tensor] = []
-        args, kwargs = ((), {}) if not self.first else ((), ids) if isinstance(ids, dict) else \
-            (tuple(ids), {}) if isinstance(ids, (tuple, list)) else ((ids,), {})
+        args, kwargs = call_arguments(ids) if self.first else ((), {})
         if self.first and self.traced is not None:
             self.traced.check_shapes(chunk_rows(ids, self.microbatches)[0])
         if self.first and self.last:

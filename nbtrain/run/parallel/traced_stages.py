@@ -33,7 +33,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.description import ModelDescription, Slot
 from nbtrain.planner.plan import Plan
+from nbtrain.profiler.trace import call_arguments
 from nbtrain.run.batches import map_rows, tensors
+from nbtrain.run.state.training_state import canonical_name
 
 
 @dataclass(eq=False)
@@ -106,9 +108,7 @@ def _pipe(model: nn.Module, description: ModelDescription, plan: Plan, example):
     """``pipeline()`` of ``model`` split before each stage's first layer; the marks it leaves are taken off."""
     starts = [start for start, _ in plan.stage_ranges()[1:]]
     split = {description.names[start][0]: SplitPoint.BEGINNING for start in starts}
-    args, kwargs = ((), dict(example)) if isinstance(example, dict) else \
-        (tuple(example), {}) if isinstance(example, (tuple, list)) else ((example,), {})
-    kwargs.update({k: v for k, v in description.family.forward_kwargs.items() if k not in kwargs})
+    args, kwargs = call_arguments(example, description.family.forward_kwargs)
     kind = type(model).__name__
     try:
         with warnings.catch_warnings():  # torch's own pytree deprecations, from inside the tracer
@@ -127,15 +127,13 @@ def _pipe(model: nn.Module, description: ModelDescription, plan: Plan, example):
     if pipe.num_stages != plan.pp:
         raise InvalidPlanError(f"tracing {kind} gave {pipe.num_stages} pipeline stages, not the plan's {plan.pp}: its "
                                f"forward does not call {', '.join(split)} where the stages begin; plan with pp=1")
-    aliases, param_names = _module_aliases(model), {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        param_names.setdefault(id(p), set()).add(name)
+    aliases, param_names = _module_aliases(model), _parameter_aliases(model)
     for stage, (start, end) in enumerate(plan.stage_ranges()):
         module = pipe.get_stage_module(stage)
         held = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         for i in range(start, end):  # each module of the layer runs in this stage, or its weights do under another
             missing = [name for name in description.names[i] if _called(module, aliases[id(model.get_submodule(name))])
-                       is None and not all(param_names[id(p)] & held for p in model.get_submodule(name).parameters())]
+                       is None and not all(set(param_names[id(p)]) & held for p in model.get_submodule(name).parameters())]
             if missing:  # its forward runs the layers in another order than they are listed
                 raise InvalidPlanError(f"{kind}'s forward does not run {missing[0]} (layer {i}) in pipeline stage "
                                        f"{stage}, where the plan puts it: its layers do not run in the order they are "
@@ -148,6 +146,14 @@ def _module_aliases(model: nn.Module) -> dict[int, list[str]]:
     aliases: dict[int, list[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         aliases.setdefault(id(m), []).append(name)
+    return aliases
+
+
+def _parameter_aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of ``model`` (a tied one has several)."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
     return aliases
 
 
@@ -203,8 +209,8 @@ def _tie_within(stage: nn.Module, model: nn.Module) -> None:
             continue
         first = kept.setdefault(id(original), p)
         if first is not p:
-            parent, _, attr = name.rpartition(".")
-            (stage.get_submodule(parent) if parent else stage).register_parameter(attr, first)
+            parent, attr = _slot(stage, name)
+            parent.register_parameter(attr, first)
 
 
 def _called(stage: nn.Module, names: list[str]) -> str | None:
@@ -228,18 +234,13 @@ def write_back(model: nn.Module, stage: TracedStage) -> None:
     """Put the stage's parameters (checkpoint-wrapped, sharded by FSDP2, copied by the pipe) into ``model`` under
     every name the original parameter had (a tied decoder's weight under the embedding's name too), so that the
     model's parameters are the ones this stage trains."""
-    from nbtrain.run.state.training_state import canonical_name
-
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    prefixes, replaced = stage.prefixes, {}
+    aliases, prefixes, replaced = _parameter_aliases(model), stage.prefixes, {}
     for name, p in stage.module.named_parameters(remove_duplicate=False):
         name = canonical_name(name, False)
         if not name.startswith(prefixes):  # an unused copy the pipe left in this stage
             continue
         original = model.get_parameter(name) if name not in replaced else replaced[name]
         for alias in aliases.get(id(original), [name]):
-            parent, _, attr = alias.rpartition(".")
-            (model.get_submodule(parent) if parent else model).register_parameter(attr, p)
+            parent, attr = _slot(model, alias)
+            parent.register_parameter(attr, p)
             replaced[alias] = original
