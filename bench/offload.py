@@ -61,13 +61,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
 
 import nbtrain  # noqa: E402
 from nbtrain.models import GPT, GPTConfig  # noqa: E402
+from nbtrain.models.description import layer_slots, slot_module  # noqa: E402
 from nbtrain.planner.cost import CostModel, CostOptions  # noqa: E402
-from nbtrain.planner.plan import Plan
+from nbtrain.planner.offload_split import balanced_offload, step_period  # noqa: E402
+from nbtrain.planner.plan import Plan  # noqa: E402
 from nbtrain.planner.strategy import Strategy  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.run.offload.optimizer import OffloadedAdamW  # noqa: E402
-from nbtrain.planner.offload_split import balanced_offload, step_period  # noqa: E402
-from nbtrain.models.description import layer_slots, slot_module  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, block_size=1024, n_layer=8, n_head=8, n_embd=512, tie_embeddings=False)
 RATIOS = (0.5, 1.0, 2.0)

@@ -30,7 +30,7 @@ from nbtrain.models import GPT, GPTConfig  # noqa: E402
 from nbtrain.planner.switching.bucket_search import padded_rows  # noqa: E402
 from nbtrain.planner.switching.buckets import plan_buckets  # noqa: E402
 from nbtrain.planner.cost import CostModel  # noqa: E402
-from nbtrain.planner.plan import Plan
+from nbtrain.planner.plan import Plan  # noqa: E402
 from nbtrain.planner.strategy import Strategy  # noqa: E402
 from nbtrain.run.launch.workers import launch  # noqa: E402
 from nbtrain.units import format_bytes  # noqa: E402
