@@ -152,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
     c.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node (default ≤ 8)")
     c.add_argument("--detect", action="store_true", help="describe this machine, measured by micro-benchmarks")
+    c.add_argument("--processes", type=_positive_int, nargs="+", default=None, metavar="N",
+                   help="with --detect on a CPU: measure communication among N gloo processes (default 2); "
+                        "measured once per machine and cached")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c.add_argument("--save", default=None, metavar="FILE",
                    help="also write the description as JSON, for 'nbtrain plan --cluster FILE'")
@@ -273,6 +276,9 @@ def _cluster(args) -> None:
                                    "device from the catalog (nbtrain cluster H100 --gpus 8) or --detect")
     if args.detect:
         cluster = Cluster.detect(calibrate=True)
+        for n in (args.processes or [2]) if cluster.device == "cpu" else ():  # GPUs: datasheet links for now
+            if n > 1:
+                cluster = cluster.with_links(n, progress=None if args.json else print)
     elif args.device:
         cluster = Cluster.from_catalog(args.device, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
     else:

@@ -5,9 +5,9 @@
 
 1. Profile GPT-2 (124M) on fake tensors and plan it for the described cluster: the plan table and the
    comparison with the baselines users know.
-2. Plan a small LLaMA-shaped GPT for this machine (``--processes`` CPU processes, measured by micro-benchmarks)
-   and train it under that plan for ``--steps`` steps on real text — the bytes of Python's standard library
-   sources — with losses, and the measured step time beside the predicted one.
+2. Plan a small LLaMA-shaped GPT for this machine (``--processes`` CPU processes; its layers timed as a worker
+   runs them, its communication measured once and cached) and train it under that plan for ``--steps`` steps on real text — the bytes of Python's standard library
+   sources — with losses, and the measured step time and tensor memory beside the predicted ones.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from nbtrain.planner.recommend import plan
 from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.model import profile
+from nbtrain.profiler.timed import timed_profile
 from nbtrain.run.fit import fit
 
 # Untied embeddings, so that every strategy (tensor parallel embedding, pipeline stages) applies.
@@ -43,9 +44,10 @@ def run(gpus: int = 8, gpu: str = "H100", memory=None, processes: int = 2, steps
     local = Cluster.detect(calibrate=True)
     if local.num_devices != processes:
         local = local.replace(num_devices=processes, devices_per_node=processes)
+    local = local.with_links(processes)  # measured once per machine, then cached
     torch.manual_seed(0)
     model = GPT(DEMO_MODEL)
-    small = profile(model, batch_size=1, seq_len=seq, dtype="fp32")
+    small = timed_profile(model, batch_size=max(1, batch // processes), seq_len=seq)  # timed as a worker runs
     # CPU update offload trades host memory and CPU time for device memory: as the magic, only when asked
     local_plan = plan(small, local, global_batch=batch, seq_len=seq, options=SearchOptions(offload_levels=(0.0,)))
     print(local_plan.summary(label="plan for this machine"), "\n")

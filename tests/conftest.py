@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+
+def pytest_configure(config):
+    """This machine's measured communication (nbtrain.profiler.collectives) is cached in a folder of this test
+    session: a run never reads or writes the user's ~/.cache/nbtrain, and measures once (subprocesses inherit it)."""
+    os.environ.setdefault("NBTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="nbtrain-test-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -419,6 +419,9 @@ profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8, device_memory="24GiB")
 ''',
     "nbtrain.run.fit": BATCHES,
+    "nbtrain.profiler.timed": 'model = nbtrain.build_preset("gpt-tiny", device="cpu")\n',
+    "nbtrain.run.tensor_memory": 'import torch\n',
+
     "nbtrain.run.launch.script": '''\
 import os
 from pathlib import Path

@@ -368,12 +368,28 @@ def test_on_a_cpu_device_the_update_copies_its_weights_and_the_device_share_take
     # One CPU "device" (the executor's emulation: forward and backward on one core, the update on another):
     # 8M params, half offloaded, fp32. The CPU: 4M at 8e9 params/s = 0.5 ms, plus copying 4M · 4 bytes of new
     # weights into the parameters at 1e9 B/s = 16 ms; no PCIe. The device's half at the same rate: 0.5 ms.
-    model = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu")
+    unclipped = CostOptions(reserve_bytes=0, clip=False)
+    model = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu", options=unclipped)
     cost = model.layer(1, S(offload=0.5), microbatches=1)
     backward = 2e7 * 100 / 1e12  # one sequence of 100 tokens, 2e7 FLOPs per token: 2 ms, overlapping the update
     assert cost.time.offload == pytest.approx(0.5e-3 + 16e-3 - backward, rel=EXACT)
     assert cost.time.update == pytest.approx(0.5e-3, rel=EXACT)
     assert cost_model().layer(1, S(dp_shard=8, offload=0.5), 1).time.update == 0  # a GPU's step: not modelled
+
+
+def test_clipping_on_a_cpu_device_reads_every_gradient_for_the_norm_then_reads_and_writes_it_to_scale():
+    # 8M fp32 gradients = 32 MB; three passes at the CPU's copy rate (1e9 B/s): 96 ms more than without clipping
+    clipped = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu").layer(1, S(), 1).time.update
+    unclipped = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu",
+                           options=CostOptions(reserve_bytes=0, clip=False)).layer(1, S(), 1).time.update
+    assert clipped - unclipped == pytest.approx(3 * 8e6 * 4 / 1e9, rel=EXACT)
+
+
+def test_an_offloaded_update_cannot_hide_under_backward_on_a_cpu_whose_processes_take_every_core():
+    # the same layer as above, one process on one core: the CPU update has no core of its own, all of it shows
+    shared = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu", host_cores=1,
+                        options=CostOptions(reserve_bytes=0, clip=False)).layer(1, S(offload=0.5), 1)
+    assert shared.time.offload == pytest.approx(0.5e-3 + 16e-3, rel=EXACT)
 
 
 def test_a_profile_measured_on_this_machine_gives_the_compute_time_scaled_by_flops():

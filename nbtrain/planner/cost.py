@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
+from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
 from nbtrain.planner.strategy import Strategy, head_split_problem
@@ -64,6 +65,7 @@ from nbtrain.profiler.result import ModelProfile
 
 GiB = 2**30
 MiB = 2**20
+CLIP_PASSES = 3  # clipping by the global norm reads every gradient for the norm, then reads and writes it to scale
 
 # The reserve, per GPU (reserve_parts). Sources:
 # - CUDA context: PyTorch loads CUDA kernels lazily since 1.13 (CUDA_MODULE_LOADING=LAZY, pytorch/pytorch#86509,
@@ -107,6 +109,9 @@ class CostOptions:
     """CoTrain's schedule (update overlapped with backward) or ZeRO-Offload's (after backward)."""
     grad_reduce_bytes: int = 4
     """Bytes per gradient element in the data-parallel reduction (fp32, as the executor reduces)."""
+    clip: bool = True
+    """The step clips gradients by their global norm (``fit``'s default ``clip_norm=1.0``): on a CPU "device",
+    three passes over the gradients at its copy rate."""
     measured_compute: bool = True
     """Use the profile's measured forward and backward times, when it was measured on this machine's kind of
     device and the cluster is this machine (detected, not from the catalog): Galvatron-BMW profiles compute time
@@ -134,6 +139,9 @@ class CostModel:
         on = profile.measured_on or ""
         self.measured = options.measured_compute and bool(on) and cluster.source != "catalog" and \
             on.startswith("cpu") == (cluster.device == "cpu")
+        self.links = cluster.links
+        # compute was timed by one process alone: with the plan's processes computing at once, each runs slower
+        self.slowdown = max(cluster.links.slowdown(cluster.num_devices) or 1.0, cluster.core_share)
         self._eval = lru_cache(maxsize=None)(self._evaluate)
 
     # -- profile lookups -------------------------------------------------------------------------------------
@@ -146,6 +154,18 @@ class CostModel:
         layer, whose input is token ids, the hidden state it produces."""
         return self._eval(max(layer - 1, 0), "output_bytes", batch)
 
+    def _grad_bytes(self, tp: int) -> float:
+        """Bytes of the whole model's gradients as the data-parallel reduction moves them, on one TP rank."""
+        return max(1.0, sum(layer.params for layer in self.profile.layers) * self.options.grad_reduce_bytes / tp)
+
+    def _arch_list(self, key: str, layer: int, default: int) -> int:
+        """A per-layer fact of the profile (``tp_pairs``: the collectives TP issues each way; ``param_tensors``),
+        or ``default`` for a block (1 for other layers) when the profile does not say."""
+        values = self.profile.arch.get(key)
+        if values and layer < len(values):
+            return values[layer]
+        return default if self.profile.layers[layer].kind == "block" else 1
+
     def _bandwidth(self, span: int) -> float:
         c = self.cluster
         return c.intra_node_bandwidth if span <= c.devices_per_node else c.inter_node_bandwidth
@@ -156,7 +176,7 @@ class CostModel:
 
     # -- one layer -------------------------------------------------------------------------------------------
     def layer(self, index: int, s: Strategy, microbatches: int) -> LayerCost:
-        prof, c, e, opt = self.profile.layers[index], self.cluster, self.e, self.options
+        prof, c, e = self.profile.layers[index], self.cluster, self.e
         b = self.micro_batch(s, microbatches)
         p = prof.params / s.tp
         shard = s.dp_shard
@@ -171,53 +191,91 @@ class CostModel:
         transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
             + (full_act if s.ac else 0.0)
 
+        fwd, bwd = self._compute(index, s, b)
+        compute = fwd + bwd + (fwd if s.ac else 0.0)
+
+        passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward
+        world, links = c.num_devices, self.links
+        tp_comm = tp_seconds(links, world, s, prof.kind, hidden=self._hidden(index, b),
+                             output=self._eval(index, "output_bytes", b), pairs=self._arch_list("tp_pairs", index, 2),
+                             gathers_output=index in (self.profile.arch.get("tp_gathers_output") or ()),
+                             passes=passes) if s.tp > 1 else 0.0
+        if tp_comm is None:
+            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, self._hidden(index, b),
+                                                                        self._bandwidth(s.tp))
+        zero3, dp_comm = self._data_parallel(index, s, p, compute, bwd)
+        offload, update = self._optimizer(index, s, p, bwd)
+        per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
+        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
+        memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
+        return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
+
+    def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
+        """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time
+        scaled by FLOPs (or tokens) to the shape when measured here, else FLOPs over the sustained rate; slowed by
+        the processes that share the cores and memory."""
+        prof, c = self.profile.layers[index], self.cluster
         flops_fwd = self._eval(index, "flops_fwd", b) / s.tp
         flops_bwd = self._eval(index, "flops_bwd", b) / s.tp
-        if self.measured and prof.time_fwd_s is not None:  # scaled from the profiled shape by FLOPs (or tokens)
+        if self.measured and prof.time_fwd_s is not None:
             tokens = b * self.seq_len / (self.profile.batch_size * self.profile.seq_len) / s.tp
             fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
             bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
         else:
             fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
-        compute = fwd + bwd + (fwd if s.ac else 0.0)
+        return fwd * self.slowdown, bwd * self.slowdown
 
-        passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward
-        per_pass = 4 if prof.kind == "block" else 1
-        tp_comm = passes * per_pass * _ring(s.tp, self._hidden(index, b), self._bandwidth(s.tp))
-
-        shard_bw = self._bandwidth(shard * s.tp)
-        zero3 = 0.0
-        if s.zero == 3 and shard > 1:
-            gathers = 2 * _ring(shard, p * e, shard_bw) * opt.overlap_slowdown
+    def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float) -> tuple[float, float]:
+        """(FSDP2's per-micro-batch gathers, the once-a-step gradient sync) of a layer of ``p`` parameters per TP
+        rank: as measured on this machine where it was (:mod:`nbtrain.planner.link_costs`), else by bandwidth."""
+        e, opt, world = self.e, self.options, self.cluster.num_devices
+        shard, grad_bytes = s.dp_shard, p * opt.grad_reduce_bytes
+        zero3 = fsdp_seconds(self.links, world, s, self.profile.layers[index].kind, param_bytes=p * e)
+        sync = 0.0
+        if zero3 is None:
+            shard_bw = self._bandwidth(shard * s.tp)
+            gathers = 2 * _ring(shard, p * e, shard_bw) * opt.overlap_slowdown if s.zero == 3 else 0.0
             zero3 = max(0.0, gathers - compute)
-
-        grad_bytes = p * opt.grad_reduce_bytes
-        sync = _ring(shard, grad_bytes, shard_bw)  # reduce-scatter (all-reduce = reduce-scatter + all-gather)
-        if shard > 1 and s.zero == 2:
-            sync += _ring(shard, p * e, shard_bw)  # gather the updated shard
+            sync = _ring(shard, grad_bytes, shard_bw)  # reduce-scatter (all-reduce = reduce-scatter + all-gather)
+            if shard > 1 and s.zero == 2:
+                sync += _ring(shard, p * e, shard_bw)  # gather the updated shard
+        replicas = replica_seconds(self.links, world, s, grad_bytes=grad_bytes,
+                                   model_grad_bytes=self._grad_bytes(s.tp))
+        if replicas is not None:
+            return zero3, sync + replicas
         sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(s.devices))
-        dp_comm = max(0.0, sync * opt.overlap_slowdown - bwd)
+        return zero3, max(0.0, sync * opt.overlap_slowdown - bwd)
 
-        offloaded = p / shard * s.offload
+    def _optimizer(self, index: int, s: Strategy, p: float, bwd: float) -> tuple[float, float]:
+        """(the offloaded update's time not hidden under backward, the device's own update and clipping)."""
+        c, e, opt = self.cluster, self.e, self.options
+        offloaded = p / s.dp_shard * s.offload
         rate = c.cpu_optimizer_rate / c.devices_per_node
         cpu = offloaded / rate
         if c.device == "cpu":  # no PCIe: the update reads the gradients in place, and copies the new weights into
             cpu += offloaded * e / c.host_to_device_bandwidth  # the parameters (a memory copy) itself
-            pcie, update = 0.0, p / shard * (1 - s.offload) / rate  # the "device" updates the rest on its cores
+            pcie, update = 0.0, p / s.dp_shard * (1 - s.offload) / rate  # the "device" updates the rest itself
+            if opt.clip:  # at the copy rate: on the CPU, memory bandwidth is the device's
+                update += CLIP_PASSES * p / s.dp_shard * opt.grad_reduce_bytes / c.host_to_device_bandwidth
         else:  # gradients down, weights up; the device's own step, at its memory bandwidth, is not modelled
             pcie, update = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth, 0.0
-        offload = max(0.0, max(cpu, pcie) - bwd) if opt.offload_overlap else cpu + pcie
-
-        per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
-        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
-        memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
-        return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
+        if opt.clip:
+            update += clip_seconds(self.links, c.num_devices, s, tensors=self._arch_list("param_tensors", index, 8),
+                                   layers=len(self.profile.layers))
+        # the update hides under backward only on cores the backward leaves free: not on a CPU whose worker
+        # processes take every core
+        spare = c.device != "cpu" or not c.host_cores or c.host_cores > c.devices_per_node
+        offload = max(0.0, max(cpu, pcie) - bwd) if opt.offload_overlap and spare else cpu + pcie
+        return offload, update
 
     def relayout(self, index: int, before: Strategy, after: Strategy, microbatches: int) -> float:
         """Seconds per micro-batch to move the hidden state entering ``index`` between two layouts."""
         if before.layout == after.layout:
             return 0.0
         nbytes = max(self._hidden(index, self.micro_batch(s, microbatches)) / s.tp for s in (before, after))
+        gather = self.links.find("all_gather", before.devices, self.cluster.num_devices)
+        if gather is not None:  # measured: one gather of the hidden state forward, one of its gradient back
+            return 2 * gather.seconds(nbytes * before.devices)
         return 2 * nbytes / self._bandwidth(before.devices)
 
     def p2p(self, last_layer: int, s: Strategy, microbatches: int, pp: int, stage: int) -> float:
@@ -229,6 +287,9 @@ class CostModel:
         boundary = (stage + 1) * per_stage  # first device of the next stage
         same_node = per_stage < node and boundary % node != 0
         c = self.cluster
+        measured = self.links.find("p2p", 2, c.num_devices)
+        if measured is not None and c.num_nodes == 1:  # measured here: the activation forward, its gradient back
+            return 2 * measured.seconds(nbytes)
         return 2 * nbytes / (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth)
 
     def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:

@@ -16,6 +16,7 @@ call pays for allocation, the thread pool and (on CUDA) kernel selection, and a 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue as queue_module
 import socket
 import statistics
@@ -169,27 +170,81 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _allreduce_worker(rank: int, world_size: int, port: int, nbytes: int, backend: str, repeats: int,
-                      results) -> None:
+def _spawned_worker(rank: int, world_size: int, port: int, backend: str, target, args, results) -> None:
     # First line, before any op: STACK.md — workers with several OpenMP threads each oversubscribe the cores and
     # can stall; one intra-op thread per process is what the executor's workers use too.
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
-        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        seconds = _median_seconds(lambda: dist.all_reduce(x), repeats, _sync(device))
+        value = target(*args)
         if backend == "gloo":
             dist.barrier()  # STACK.md: ranks that leave while a peer still talks abort at shutdown
         dist.destroy_process_group()
-        results.put((rank, True, seconds))
+        results.put((rank, True, value))
     except BaseException:  # report everything, KeyboardInterrupt included, so the parent never waits blind
         results.put((rank, False, traceback.format_exc()))
+
+
+def run_spawned(target: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0,
+                what: str = "benchmark") -> list:
+    """``target(*args)`` in each of ``world_size`` fresh processes joined in a process group; every rank's result,
+    by rank. ``target`` must be importable (a module-level function): the processes are spawned, not forked, so a
+    notebook's threads and CUDA context do not leak into them; each pays for ``import torch`` (~4 s here). On
+    ``timeout`` the workers are killed and ``CalibrationError`` says so."""
+    started = time.perf_counter()
+    port = _free_port()
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    workers = [ctx.Process(target=_spawned_worker, daemon=True,
+                           args=(rank, world_size, port, backend, target, args, results))
+               for rank in range(world_size)]
+    quiet = {"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL")}
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's shutdown notes about awaited async work are noise here
+    try:
+        for worker in workers:
+            worker.start()  # a spawned child takes the environment as it is now
+    finally:
+        for key, value in quiet.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    found: dict[int, object] = {}
+    try:
+        while len(found) < world_size:
+            if time.perf_counter() - started > timeout:
+                raise CalibrationError(
+                    f"the {what} did not finish in {timeout:.0f} s ({len(found)} of {world_size} workers "
+                    f"reported, port {port}); its workers were stopped. On a busy machine pass a larger timeout")
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue_module.Empty:
+                dead = [w for w in workers if w.exitcode not in (None, 0)]
+                if dead:  # killed before it could report (out of memory, a signal)
+                    raise CalibrationError(f"a {what} worker died with exit code {dead[0].exitcode} before "
+                                           "reporting; run it alone to see its output")
+                continue
+            if not ok:
+                raise CalibrationError(f"{what} worker {rank} failed:\n{payload}")
+            found[rank] = payload
+    finally:
+        for worker in workers:
+            worker.join(timeout=10 if len(found) == world_size else 0.1)
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    return [found[rank] for rank in range(world_size)]
+
+
+def _allreduce_seconds(nbytes: int, repeats: int) -> float:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return _median_seconds(lambda: dist.all_reduce(x), repeats, _sync(device))
 
 
 def allreduce_bandwidth(world_size: int = 2, nbytes: int = 16 * 2**20, backend: str = "gloo", *,
@@ -199,46 +254,13 @@ def allreduce_bandwidth(world_size: int = 2, nbytes: int = 16 * 2**20, backend: 
         >>> allreduce_bandwidth(world_size=2).value > 0      # gloo on CPU; backend="nccl" uses cuda:0..n-1
         True
 
-    Spawned, not forked, so a notebook's threads and CUDA context do not leak into the workers; each worker pays
-    for ``import torch`` (~4 s here). On ``timeout`` the workers are killed and ``CalibrationError`` says so.
+    Spawned (:func:`run_spawned`); on ``timeout`` the workers are killed and ``CalibrationError`` says so.
     """
     if world_size < 2:
         raise InvalidArgumentError(f"an all-reduce needs world_size ≥ 2 processes, got {world_size}")
     start = time.perf_counter()
-    port = _free_port()
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    workers = [ctx.Process(target=_allreduce_worker, daemon=True,
-                           args=(rank, world_size, port, nbytes, backend, repeats, results))
-               for rank in range(world_size)]
-    for worker in workers:
-        worker.start()
-    seconds: list[float] = []
-    try:
-        while len(seconds) < world_size:
-            if time.perf_counter() - start > timeout:
-                raise CalibrationError(
-                    f"the all-reduce benchmark did not finish in {timeout:.0f} s ({len(seconds)} of {world_size} "
-                    f"workers reported, port {port}); its workers were stopped. On a busy machine pass a larger "
-                    "timeout, or calibrate with allreduce=False and set intra_node_bandwidth yourself")
-            try:
-                rank, ok, payload = results.get(timeout=0.5)
-            except queue_module.Empty:
-                dead = [w for w in workers if w.exitcode not in (None, 0)]
-                if dead:  # killed before it could report (out of memory, a signal)
-                    raise CalibrationError(f"an all-reduce benchmark worker died with exit code {dead[0].exitcode} "
-                                       "before reporting; run allreduce_bandwidth() alone to see its output")
-                continue
-            if not ok:
-                raise CalibrationError(f"all-reduce benchmark worker {rank} failed:\n{payload}")
-            seconds.append(payload)
-    finally:
-        for worker in workers:
-            worker.join(timeout=10 if len(seconds) == world_size else 0.1)
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+    seconds = run_spawned(_allreduce_seconds, world_size, nbytes, repeats, backend=backend, timeout=timeout,
+                          what="all-reduce benchmark")
     # NCCL-tests (doc/PERFORMANCE.md): a ring all-reduce moves 2(n−1)/n of the buffer through each rank's link,
     # so busbw = algbw · 2(n−1)/n is comparable with the link's own bandwidth, whatever n is.
     slowest = max(seconds)  # the collective ends when its slowest rank does

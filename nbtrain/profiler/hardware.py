@@ -16,133 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from nbtrain.checks import positive_int
-from nbtrain.errors import InvalidArgumentError, UnknownDeviceError
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.profiler.catalog import CATALOG, local_cpus, local_memory, lookup, match_gpu  # noqa: F401 (lookup: re-exported)
+from nbtrain.profiler.collectives import Links, cached_links
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_rate, parse_bytes
-
-GiB, MiB, GB, TFLOPS = 2**30, 2**20, 1e9, 1e12
-# Practical x16 rates per direction (REFERENCE.md "Physical limits"): Gen3 ~12, Gen4 ~25, Gen5 ~50 GB/s.
-PCIE_GEN3, PCIE_GEN4, PCIE_GEN5 = 12 * GB, 25 * GB, 50 * GB
-# InfiniBand line rates in bytes/s: EDR 100, HDR 200, NDR 400 Gb/s (one NIC per GPU on DGX A100/H100/H200).
-IB_EDR, IB_HDR, IB_NDR = 100e9 / 8, 200e9 / 8, 400e9 / 8
-# STACK.md: AdamW(fused=True) updates ~1.4 G params/s on ONE thread (100–200 M params). We count that per
-# socket: conservative, since more threads scale it until memory bandwidth (~28 B/param, REFERENCE.md) bounds it.
-ADAMW_PER_SOCKET = 1.4e9
-
-
-def _local_memory() -> int:
-    """Physical memory of this machine, or of its container when a cgroup caps it lower."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): assume a laptop
-        return 16 * GiB
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        return min(total, int(limit)) if limit.isdigit() else total
-    except OSError:
-        return total
-
-
-def _local_cpus() -> int:
-    """Cores this process may run on (a container's CPU set, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One catalog entry: the per-device numbers of a :class:`Cluster` (same units), plus labels for display."""
-
-    device_memory: int
-    peak_flops: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    host_memory: int
-    host_to_device_bandwidth: float
-    cpu_optimizer_rate: float
-    flops_efficiency: float = 0.8  # REFERENCE.md: ~790 of 990 TFLOP/s measured on an H200
-    dtype: str = "bf16"
-    intra_link: str = "NVLink"
-    inter_link: str = "InfiniBand"
-
-
-CATALOG: dict[str, DeviceSpec] = {
-    # Tesla V100 SXM2 32GB datasheet: 125 TFLOP/s fp16 tensor (no bf16 before A100), NVLink2 300 GB/s both ways,
-    # PCIe Gen3. DGX-1V: 4× EDR for 8 GPUs (half a NIC each), 512 GB RAM, 2 sockets.
-    "V100": DeviceSpec(32 * GiB, 125 * TFLOPS, 300 * GB / 2, IB_EDR / 2, 512 * GiB, PCIE_GEN3,
-                       2 * ADAMW_PER_SOCKET, dtype="fp16", inter_link="InfiniBand EDR"),
-    # A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, NVLink3 600 GB/s both ways, PCIe Gen4.
-    # DGX A100: 8× HDR (one per GPU), 2 sockets; 1 TB RAM with 40 GB GPUs, 2 TB with 80 GB GPUs.
-    "A100-40GB": DeviceSpec(40 * GiB, 312 * TFLOPS, 600 * GB / 2, IB_HDR, 1024 * GiB, PCIE_GEN4,
-                            2 * ADAMW_PER_SOCKET, inter_link="InfiniBand HDR"),
-    "A100-80GB": DeviceSpec(80 * GiB, 312 * TFLOPS, 600 * GB / 2, IB_HDR, 2048 * GiB, PCIE_GEN4,
-                            2 * ADAMW_PER_SOCKET, inter_link="InfiniBand HDR"),
-    # H100 SXM5 datasheet: 1,979 TFLOP/s bf16 with sparsity, 989.4 dense (Hopper whitepaper), NVLink4 900 GB/s
-    # both ways, PCIe Gen5.
-    # DGX H100: 8× ConnectX-7 NDR (one per GPU), 2 TB RAM, 2 sockets. Memory: 80 GiB HBM3; the runtime reports
-    # ~0.5% less (81559 MiB), which the planner's memory reserve covers.
-    "H100": DeviceSpec(80 * GiB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
-                       2 * ADAMW_PER_SOCKET, inter_link="InfiniBand NDR"),
-    # H200 SXM datasheet: "141 GB" HBM3e (the runtime sees ~140 GiB: 143771 MiB), same compute and NVLink as H100.
-    # DGX H200: 8× NDR, 2 TB RAM, 2 sockets.
-    "H200": DeviceSpec(140 * GiB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
-                       2 * ADAMW_PER_SOCKET, inter_link="InfiniBand NDR"),
-    # L4 datasheet: 24 GB GDDR6 (23034 MiB visible with ECC, the default), 242 TFLOP/s bf16 with sparsity = 121
-    # dense, PCIe Gen4 x16, no NVLink, 72 W: it throttles under sustained matmuls, hence 0.7 of peak.
-    # Host: a 1-socket, 128 GiB box; network: 100 Gb/s Ethernet shared by 8 GPUs (cloud VMs). Override both.
-    "L4": DeviceSpec(23034 * MiB, 121 * TFLOPS, PCIE_GEN4, 100e9 / 8 / 8, 128 * GiB, PCIE_GEN4,
-                     ADAMW_PER_SOCKET, flops_efficiency=0.7, intra_link="PCIe Gen4", inter_link="Ethernet"),
-    # Ada whitepaper (RTX 4090): 165.2 TFLOP/s bf16 with fp32 accumulate (what PyTorch uses), 24 GB GDDR6X,
-    # PCIe Gen4 x16, no NVLink; GeForce has no peer-to-peer, so device-to-device traffic crosses host memory at
-    # no more than PCIe rate. Host and network as for L4.
-    "RTX4090": DeviceSpec(24 * GiB, 165.2 * TFLOPS, PCIE_GEN4, 100e9 / 8 / 8, 128 * GiB, PCIE_GEN4,
-                          ADAMW_PER_SOCKET, intra_link="PCIe Gen4", inter_link="Ethernet"),
-    # The host itself, one "device" per core (one worker process, one thread each). No datasheet: conservative
-    # guesses that Cluster.detect() replaces with measurements — one core's fp32 matmul (~50 GFLOP/s for AVX2;
-    # 120+ measured with AVX-512), gloo all-reduce over loopback (~0.7 GB/s measured on 2 cores), one-thread
-    # memcpy (~5 GB/s), fused AdamW on one thread (0.9–1.4 G params/s, STACK.md), 10 Gb/s Ethernet between hosts.
-    # Memory and network are the whole machine's; from_catalog divides them among the devices of a node.
-    "cpu": DeviceSpec(_local_memory(), 50e9, 0.5 * GB, 10e9 / 8, _local_memory(), 5 * GB, 1e9,
-                      dtype="fp32", intra_link="gloo", inter_link="Ethernet"),
-}
-
-_ALIASES = {  # normalised (lower-case letters and digits only) → catalog name
-    "v100": "V100", "v10032gb": "V100", "teslav100": "V100", "v100sxm2": "V100", "v100sxm232gb": "V100",
-    "a100": "A100-80GB", "a10080gb": "A100-80GB", "a10080g": "A100-80GB", "a10080": "A100-80GB",
-    "a10040gb": "A100-40GB", "a10040g": "A100-40GB", "a10040": "A100-40GB",
-    "h100": "H100", "h10080gb": "H100", "h100sxm": "H100", "h100sxm5": "H100",
-    "h200": "H200", "h200141gb": "H200", "h200sxm": "H200", "l4": "L4",
-    "rtx4090": "RTX4090", "4090": "RTX4090", "geforcertx4090": "RTX4090", "cpu": "cpu", "host": "cpu",
-}
-
-
-def lookup(name: str) -> str:
-    """The catalog name for ``name``, ignoring case, spaces, dashes and an ``NVIDIA`` prefix: ``lookup("a100")``."""
-    key = re.sub(r"[^a-z0-9]", "", str(name).lower()).removeprefix("nvidia")
-    if key not in _ALIASES:
-        raise UnknownDeviceError(str(name), list(CATALOG))
-    return _ALIASES[key]
-
-
-def _match_gpu(runtime_name: str, memory: int, capability: tuple[int, int]) -> tuple[str, bool]:
-    """The catalog entry closest to a CUDA device, and whether its name matched ("NVIDIA H100 80GB HBM3")."""
-    name = runtime_name.lower()
-    for key, entry in (("h200", "H200"), ("h100", "H100"), ("v100", "V100"), ("4090", "RTX4090"),
-                       ("a100", "A100-80GB" if memory > 60 * GiB else "A100-40GB")):
-        if key in name:
-            return entry, True
-    if re.search(r"\bl4\b", name):  # not "L40S"
-        return "L4", True
-    # Unknown card: the catalog GPU of its generation (sm70 Volta, sm80 Ampere, sm86/89 consumer, sm90+ Hopper).
-    major, minor = capability
-    return {7: "V100", 8: "A100-80GB" if minor == 0 else "L4"}.get(major, "H100" if major >= 9 else "V100"), False
-
 
 _MEASURED = {"matmul": "peak_flops", "copy": "host_to_device_bandwidth", "cpu_adamw": "cpu_optimizer_rate",
              "allreduce": "intra_node_bandwidth"}  # calibrate.Measurement.name → the field it sets
@@ -180,6 +62,12 @@ class Cluster:
     """Bytes/s per device, one direction, between host memory and the device (PCIe; a memcpy on CPU)."""
     cpu_optimizer_rate: float
     """AdamW parameter updates per second per node on the host CPU."""
+    host_cores: int = 0
+    """CPU cores of a node, which its devices' processes share (0: as many as devices). On a CPU cluster with more
+    worker processes than cores, each computes at ``host_cores / devices_per_node`` of a core."""
+    links: Links = Links()
+    """Communication measured on this machine, per operation and group size (:mod:`nbtrain.profiler.collectives`);
+    empty: the cost model uses the bandwidths above."""
     source: str = "catalog"
     """How the numbers came about: ``"catalog"`` (datasheets), ``"detected"`` (counts and memory of this
     machine, rates from the catalog) or ``"calibrated"`` (rates measured by micro-benchmarks)."""
@@ -259,10 +147,10 @@ class Cluster:
 
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            name, by_name = _match_gpu(props.name, props.total_memory, (props.major, props.minor))
+            name, by_name = match_gpu(props.name, props.total_memory, (props.major, props.minor))
             count = torch.cuda.device_count()
             cluster = cls.from_catalog(name, num_devices=count, devices_per_node=count,
-                                       device_memory=props.total_memory, host_memory=_local_memory(),
+                                       device_memory=props.total_memory, host_memory=local_memory(),
                                        source="detected")
             if not by_name:  # a card the catalog only approximates: say which it is
                 cluster = cluster.replace(device=props.name)
@@ -270,7 +158,7 @@ class Cluster:
                 cluster = cluster.replace(intra_node_bandwidth=cluster.host_to_device_bandwidth)
             device = "cuda"
         else:
-            cluster = cls.from_catalog("cpu", num_devices=_local_cpus(), source="detected")
+            cluster = cls.from_catalog("cpu", num_devices=local_cpus(), host_cores=local_cpus(), source="detected")
             device = "cpu"
         if calibrate:
             cluster = cluster.with_measurements(bench.calibrate(device, allreduce=allreduce))
@@ -295,14 +183,35 @@ class Cluster:
                 changes["flops_efficiency"] = m.value / self.peak_flops
         return self.replace(**changes)
 
+    def with_links(self, world_size: int, *, measure: bool = True, progress=print) -> Cluster:
+        """A copy that knows this machine's communication among ``world_size`` processes: measured once (~10 s,
+        spawned gloo workers) and cached (:func:`nbtrain.profiler.collectives.cached_links`). Only for a cluster
+        that is this machine (detected or calibrated); ``measure=False`` takes only what is cached."""
+        if self.source == "catalog":
+            raise InvalidArgumentError("links are measured on this machine; a catalog cluster describes another "
+                                       "one: use Cluster.detect(), or Cluster.load() a cluster measured there")
+        if self.links.find("all_reduce", world_size, world_size) is not None or world_size < 2:
+            return self
+        found = cached_links(world_size, measure=measure, progress=progress)
+        return self if found is None else self.replace(links=self.links.merged(found))
+
     def replace(self, **changes) -> Cluster:
         """A copy with some fields changed and validated again: ``cluster.replace(num_devices=16)``."""
         _check_fields(changes, "replace")
         return dataclasses.replace(self, **changes)
 
+    @property
+    def core_share(self) -> float:
+        """How many worker processes share one core on a CPU cluster (≥ 1): 4 processes on 2 cores, 2.0."""
+        if self.device != "cpu" or not self.host_cores:
+            return 1.0
+        return max(1.0, self.devices_per_node / self.host_cores)
+
     def to_dict(self) -> dict:
         """Plain JSON-ready values; ``Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c``."""
-        return dataclasses.asdict(self)
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["links"] = self.links.to_list()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Cluster:
@@ -311,6 +220,8 @@ class Cluster:
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
         if missing:
             raise InvalidArgumentError(f"a cluster description lacks {', '.join(missing)}")
+        if isinstance(data.get("links"), dict):
+            data = {**data, "links": Links.from_list(data["links"])}
         return cls(**data)
 
     def save(self, path) -> None:
@@ -370,7 +281,7 @@ class Cluster:
         return table
 
     def __str__(self) -> str:
-        return str(self._table())
+        return str(self._table()) + (f"\n\n{self.links.table()}" if self.links.links else "")
 
     def _repr_html_(self) -> str:
         return self._table()._repr_html_()

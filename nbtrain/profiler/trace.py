@@ -8,6 +8,7 @@ segments with a :class:`~nbtrain.profiler.segments.SegmentTracker`.
 from __future__ import annotations
 
 import statistics
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -139,17 +140,25 @@ def _output_bytes(tracker: SegmentTracker, out, n: int) -> dict[int, int]:
 def time_step(step: Step, b: int, s: int, device: torch.device, repeats: int = 5) -> dict[str, dict[int, float]]:
     """Seconds per segment of a real step on ``device``: one warm-up, then the median of ``repeats``.
 
-    The step runs with no counting mode or hook but the tracker's, so that only the model is timed.
+    The step runs with no counting mode or hook but the tracker's, so that only the model is timed. What no
+    segment is charged with (the autograd engine between segments, the loss outside the model's last module) is
+    shared out by each segment's part of the step, so that the segments add up to the whole step as timed.
     """
-    runs = []
+    runs, whole = [], []
     for i in range(repeats + 1):
         timer = Timer(device)
+        started = time.perf_counter()
         _run(step, [timer], b, s, device, params=None)
+        timer.sync()
+        elapsed = time.perf_counter() - started
         step.model.zero_grad(set_to_none=True)
         if i:
             runs.append(timer)
+            whole.append(elapsed)
     n = step.num_segments
-    return {
-        "time_fwd_s": {i: statistics.median(t.fwd[i] for t in runs) for i in range(n)},
-        "time_bwd_s": {i: statistics.median(t.bwd[i] for t in runs) for i in range(n)},
-    }
+    fwd = {i: statistics.median(t.fwd[i] for t in runs) for i in range(n)}
+    bwd = {i: statistics.median(t.bwd[i] for t in runs) for i in range(n)}
+    charged = sum(fwd.values()) + sum(bwd.values())
+    scale = max(1.0, statistics.median(whole) / charged) if charged else 1.0
+    return {"time_fwd_s": {i: v * scale for i, v in fwd.items()},
+            "time_bwd_s": {i: v * scale for i, v in bwd.items()}}

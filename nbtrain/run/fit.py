@@ -39,6 +39,7 @@ from nbtrain.planner.cost import estimate
 from nbtrain.profiler.model import lm_loss, profile
 from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
 from nbtrain.profiler.inputs import inputs_like
+from nbtrain.profiler.timed import timed_profile
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.state.checkpoint import Checkpoint, folder_for_run, with_resume_hint
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
@@ -219,6 +220,11 @@ def _check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
     return (b1, b2), float(eps), float(weight_decay), bool(decay_norms_and_biases)
 
 
+def per_device_batch(plan: Plan) -> int:
+    """Sequences one device computes per micro-batch under the plan's widest data parallelism (at least one)."""
+    return max(1, plan.global_batch // (plan.microbatches * max(s.dp for s in plan.layers)))
+
+
 def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
         loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
@@ -301,8 +307,12 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
             cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
         first = get_batch(0)  # a model without token ids is profiled on inputs shaped like its batches
         inputs = None if is_token_ids(first[0]) else inputs_like(first)
-        prof = profile(model, batch_size=1, seq_len=length, dtype="fp32", inputs=inputs,
-                       loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
+        workload = dict(seq_len=length, inputs=inputs, loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
+        if cluster.source != "catalog" and cluster.device == "cpu":  # this machine: time it as the workers will
+            cluster = cluster.with_links(num_processes) if num_processes > 1 else cluster
+            prof = timed_profile(model, batch_size=per_device_batch(plan), **workload)
+        else:
+            prof = profile(model, batch_size=1, dtype="fp32", **workload)
         prediction = estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)

@@ -51,22 +51,30 @@ class FitResult:
         return statistics.median(times)
 
     def table(self) -> Table:
-        t = Table(["step", "loss", "time", "tokens/s", "peak memory"], align="rrrrr")
+        cpu = not torch.cuda.is_available()
+        t = Table(["step", "loss", "time", "tokens/s", "tensors", *(["resident"] if cpu else [])], align="rrrrrr")
         t.title = f"trained under: {self.plan}"
         for r in self.records:
-            t.add(r.step, f"{r.loss:.4f}", format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}",
-                  format_bytes(r.peak_memory_bytes))
+            tensors = format_bytes(r.tensor_bytes) if r.tensor_bytes is not None else "—"
+            t.add(r.step, f"{r.loss:.4f}", format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}", tensors,
+                  *([format_bytes(r.peak_memory_bytes)] if cpu else []))
         line = f"measured step time (median after the first): {format_seconds(self.measured_step_s)}"
         if self.predicted_step_s is not None:
-            line += f" · predicted: {format_seconds(self.predicted_step_s)}"
+            line += f" · predicted: {format_seconds(self.predicted_step_s)} (measured / predicted " \
+                    f"{self.measured_step_s / self.predicted_step_s:.2f})"
         t.footer.append(line)
-        peak = max(r.peak_memory_bytes for r in self.records)
-        line = f"peak memory: {format_bytes(peak)}"
-        if not torch.cuda.is_available():
-            line += " (CPU: rank 0's resident memory, torch itself included)"
-        if self.predicted_memory_bytes is not None:
-            line += f" · predicted per device: {format_bytes(self.predicted_memory_bytes)}"
-        t.footer.append(line)
+        measured = [r.tensor_bytes for r in self.records if r.tensor_bytes is not None]
+        if measured:
+            line = f"tensor memory at the peak: {format_bytes(max(measured))}"
+            line += (" (rank 0's parameters, gradients, optimizer state and saved activations)" if cpu else
+                     " (rank 0's allocator peak)")
+            if self.predicted_memory_bytes is not None:
+                line += f" · predicted per device: {format_bytes(self.predicted_memory_bytes)} (measured / " \
+                        f"predicted {max(measured) / self.predicted_memory_bytes:.2f})"
+            t.footer.append(line)
+        if cpu:
+            t.footer.append(f"resident: {format_bytes(max(r.peak_memory_bytes for r in self.records))} at the peak "
+                            "(rank 0's process, torch itself included)")
         if self.resumed_at:
             t.footer.append(f"resumed after step {self.resumed_at}: the steps up to it were measured by the run "
                             "that saved the checkpoint")

@@ -34,6 +34,7 @@ from nbtrain.models.adapters import detect_family
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.profiler.trace import call_model
+from nbtrain.run.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
 from nbtrain.run.parallel.mesh import PlanMeshes, device_type
 
@@ -52,6 +53,10 @@ class StepRecord:
     """Peak allocated device memory (CUDA), or this process's peak resident memory on the CPU."""
     grad_norm: float | None = None
     """Total gradient norm before clipping, when clipping is on."""
+    tensor_bytes: int | None = None
+    """What the plan's tensors took on rank 0 at the step's peak: the allocator's peak on a GPU; on the CPU this
+    rank's parameters, gradients and optimizer state plus the peak of the activations saved for backward
+    (:mod:`nbtrain.run.tensor_memory`), the quantity the cost model predicts."""
     skipped: bool = False
     """The loss was not finite and the update was skipped (``on_nonfinite="skip"``)."""
     checkpoint_s: float | None = None
@@ -220,16 +225,10 @@ class Trainer:
             else None
         first = self.plan.stage_ranges()[self.meshes.stage][0]
         ids, targets = self._local_batch(ids, first), self._local_batch(targets, self.plan.num_layers - 1)
-        if self.pipeline is not None:
-            with self.autocast:
-                loss = self.pipeline.step(ids, targets)
-            # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
-            # held by its D / dp tensor-parallel ranks: the sum over the world / D is the mean over the slices
-            total = loss if loss is not None else torch.zeros(())
-            per_stage = self.plan.devices_per_stage
-        else:
-            total = self._accumulate(ids, targets)
-            per_stage = dist.get_world_size()
+        saved = None if torch.cuda.is_available() else SavedActivations(exclude=self.model.parameters())
+        with saved.hooks() if saved is not None else nullcontext():
+            total = self._forward_backward(ids, targets)
+        per_stage = self.plan.devices_per_stage if self.pipeline is not None else dist.get_world_size()
         pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
         dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
         loss = float(total) / per_stage
@@ -249,12 +248,24 @@ class Trainer:
             norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group, shared) \
                 if self.clip_norm else None
             self.optimizer.step()
+        tensors = torch.cuda.max_memory_allocated() if saved is None else \
+            state_bytes(self.model, self.optimizer) + saved.peak
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         seconds = time.perf_counter() - started
         self.steps_done += 1
-        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), norm)
+        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), norm, tensor_bytes=tensors)
+
+    def _forward_backward(self, ids, targets) -> torch.Tensor:
+        """Forward and backward of this rank's share of the batch: the loss it holds (zero where it holds none)."""
+        if self.pipeline is not None:
+            with self.autocast:
+                loss = self.pipeline.step(ids, targets)
+            # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
+            # held by its D / dp tensor-parallel ranks: the sum over the world / D is the mean over the slices
+            return loss if loss is not None else torch.zeros(())
+        return self._accumulate(ids, targets)
 
     def _gradient_sync(self, enabled: bool):
         return gradient_sync(self.model, enabled, self.optimizer if self.offloaded else None)

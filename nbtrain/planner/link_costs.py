@@ -1,0 +1,73 @@
+"""Communication and wrapper costs priced from what was measured on this machine, not from datasheet bandwidths.
+
+    >>> links = Links((Link("fsdp_forward", 2, 2, 0.001, 1e9), Link("fsdp_backward", 2, 2, 0.002, 5e8)))
+    >>> round(fsdp_seconds(links, 2, Strategy(dp_shard=2), "head", param_bytes=4e6), 6)   # 1 + 4 + 2 + 8 ms
+    0.015
+
+Each function returns ``None`` when the cluster has no measurement for that operation and group (a catalog cluster,
+or a process count not measured): the cost model then uses its datasheet formula. The measurements
+(:mod:`nbtrain.profiler.collectives`) are of the executor's own pieces — FSDP2 and DTensor wrapping real layers,
+DDP beside a real backward — so they carry the overheads and the overlap the backend really gives, which a
+bandwidth alone does not: on gloo, FSDP2's per-layer work is mostly fixed cost, and DDP hides almost nothing.
+"""
+
+from __future__ import annotations
+
+from nbtrain.planner.strategy import Strategy
+from nbtrain.profiler.collectives import Link, Links  # noqa: F401 (Link: the docstring's)
+
+
+def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: float, output: float, pairs: int,
+               gathers_output: bool, passes: int) -> float | None:
+    """What tensor parallelism adds to a layer per micro-batch: a transformer block as the measured whole block,
+    another layer as ``pairs`` measured colwise → rowwise pairs; a gathered output (an LM head's logits) as an
+    all-gather of ``output`` bytes; the recomputed forward (``passes == 3``) once more."""
+    block = links.find("tp_block_forward", s.tp, world) if kind == "block" else None
+    pair = links.find("tp_forward", s.tp, world)
+    if block is not None:
+        seconds = block.seconds(hidden) * (passes - 1) + links.seconds("tp_block_backward", s.tp, hidden, world)
+    elif pair is not None:
+        seconds = pairs * (pair.seconds(hidden) * (passes - 1) + links.seconds("tp_backward", s.tp, hidden, world))
+    else:
+        return None
+    if gathers_output:
+        seconds += (passes - 1) * links.seconds("all_gather", s.tp, output, world)
+    return seconds
+
+
+def fsdp_seconds(links: Links, world: int, s: Strategy, kind: str, *, param_bytes: float) -> float | None:
+    """What FSDP2 adds to a layer sharded ``dp_shard`` ways per micro-batch: its forward gather and, under ZeRO-3,
+    the backward gather, then the gradients' reduce-scatter, as measured on a transformer block (for a block) or
+    on Linear layers (otherwise)."""
+    if s.dp_shard <= 1:
+        return None
+    unit = "fsdp_block" if kind == "block" and links.find("fsdp_block_forward", s.dp_shard, world) else "fsdp"
+    forward = links.find(f"{unit}_forward", s.dp_shard, world)
+    if forward is None:
+        return None
+    backward = f"{unit}_backward" if s.zero == 3 else f"{unit}_backward_2"
+    return forward.seconds(param_bytes) + links.seconds(backward, s.dp_shard, param_bytes, world)
+
+
+def replica_seconds(links: Links, world: int, s: Strategy, *, grad_bytes: float, model_grad_bytes: float
+                    ) -> float | None:
+    """Once a step, the gradient all-reduce across ``dp_replicate`` replicas of a layer holding ``grad_bytes``:
+    DDP as measured beside a real backward (its fixed part shared out by the layer's part of ``model_grad_bytes``),
+    or, for a sharded layer, its shard's all-reduce."""
+    if s.dp_replicate <= 1:
+        return None
+    ddp = links.find("ddp_backward", s.dp_replicate, world) if s.dp_shard == 1 else None
+    if ddp is not None:
+        return ddp.latency_s * grad_bytes / model_grad_bytes + grad_bytes / ddp.bandwidth
+    reduce = links.find("all_reduce", s.dp_replicate, world)
+    return None if reduce is None else reduce.seconds(grad_bytes / s.dp_shard)
+
+
+def clip_seconds(links: Links, world: int, s: Strategy, *, tensors: int, layers: int) -> float:
+    """Clipping this layer's ``tensors`` DTensor gradients (sharded or split: FSDP2 or TP) by the global norm, as
+    measured; the fixed part of one clip shared out over the model's ``layers``. Plain tensors: 0 here."""
+    group = max(s.dp_shard, s.tp)
+    clip = links.find("clip_dtensor", group, world) if group > 1 else None
+    if clip is None:
+        return 0.0
+    return clip.seconds(tensors) - clip.latency_s * (1 - 1 / layers)

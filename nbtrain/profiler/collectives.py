@@ -1,0 +1,239 @@
+"""Communication measured on this machine as the executor issues it: latency and bandwidth per operation and group.
+
+    >>> links = cached_links(2)        # measured once per machine (~15 s on 2 cores: 2 gloo processes), then read
+    >>> links.seconds("all_reduce", 2, 4 * 2**20) > links.seconds("all_reduce", 2, 64 * 2**10)
+    True
+
+Each operation is timed at a few sizes in fresh processes with one intra-op thread each (as the executor's workers
+run), every group of the size at once (4 processes measure their two pairs together, as a 2-D plan's groups run),
+and fitted to ``time = latency + bytes / bandwidth`` (Hockney's model; Thakur et al. 2005 use it for MPI's
+collectives). The operations:
+
+==================  ===========================================================================================
+``all_reduce``      ``dist.all_reduce`` of ``bytes`` (DDP's bucketed gradient sync)
+``all_gather``      ``all_gather_into_tensor`` producing ``bytes`` (a relayout between layers)
+``reduce_scatter``  ``reduce_scatter_tensor`` of ``bytes``
+``p2p``             ``send`` / ``recv`` of ``bytes`` between neighbours (a pipeline's activations)
+``fsdp_forward``    what FSDP2 adds to a layer's forward when it holds ``bytes`` of parameters: the all-gather,
+                    its copies and hooks (measured on Linear layers, sharded minus plain)
+``fsdp_backward``   the same in backward under ZeRO-3 (gather again, reduce-scatter the gradients)
+``fsdp_backward_2`` the same under ZeRO-2 (parameters kept from forward: reduce-scatter only)
+``tp_forward``      what DTensor tensor parallelism adds to a colwise → rowwise pair (Megatron's MLP) whose
+                    hidden state is ``bytes``, beyond its split compute (TP minus plain ÷ group)
+``tp_backward``     the same in backward
+``tp_block_forward``  what tensor parallelism adds to a whole transformer block's forward (nbtrain's GPT block:
+                    five split linears, norms, attention on the local heads) whose hidden state is ``bytes``
+``tp_block_backward`` the same in backward
+``fsdp_block_*``    the same three for a whole transformer block as one FSDP2 unit (nbtrain's GPT block)
+``clip_dtensor``    seconds to clip the gradients of ``bytes`` (here: a count of) FSDP2-sharded tensors by their
+                    global norm: DTensor dispatch per tensor
+``ddp_backward``    what ``DistributedDataParallel`` adds to a backward (4 Linear layers over 256 tokens) whose
+                    gradients are ``bytes``: its bucketed all-reduces, less what hid under the compute
+==================  ===========================================================================================
+
+``overlap`` is the fraction of an asynchronous all-reduce that hides under a matmul loop running beside it (gloo
+on CPU: its thread competes with the compute for the same cores, so little). The planner reads all of it through
+``Cluster.links`` (:mod:`nbtrain.planner.cost`); ``nbtrain cluster --detect`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from nbtrain.errors import InvalidArgumentError
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "fsdp_forward", "fsdp_backward", "fsdp_backward_2",
+       "tp_forward", "tp_backward")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One operation over groups of ``group`` processes out of ``world``: ``seconds = latency_s + bytes / bandwidth``."""
+
+    op: str
+    group: int
+    world: int
+    latency_s: float
+    bandwidth: float
+    """Bytes per second of the operation's size (not a bus bandwidth: a ring's (k − 1)/k is in it)."""
+    points: tuple[tuple[int, float], ...] = ()
+    """The measured (bytes, seconds) the line was fitted to."""
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Links:
+    """Every measured :class:`Link` of a machine, and the measured overlap of communication with compute."""
+
+    links: tuple[Link, ...] = ()
+    slowdowns: tuple[tuple[int, float], ...] = ()
+    """(processes, factor): how much slower one process computes when that many compute at once than alone
+    (shared cores, caches, memory bandwidth); 2.0 or more when processes outnumber cores."""
+
+    def overlap(self, group: int, world: int, nbytes: float = 4 * 2**20) -> float | None:
+        """The fraction of ``nbytes`` of all-reduce that DDP hid under backward compute, as measured (0: none)."""
+        ddp, reduce = self.find("ddp_backward", group, world), self.find("all_reduce", group, world)
+        if ddp is None or reduce is None:
+            return None
+        return min(1.0, max(0.0, 1 - ddp.seconds(nbytes) / reduce.seconds(nbytes)))
+
+    def slowdown(self, world: int) -> float | None:
+        """The measured compute slowdown with ``world`` processes, or None when not measured."""
+        return next((factor for n, factor in self.slowdowns if n == world), None)
+
+    def find(self, op: str, group: int, world: int) -> Link | None:
+        """The link measured for ``op`` over groups of ``group`` among ``world`` processes, or among the nearest
+        world measured at or above ``world`` (more processes contend more: the safe side)."""
+        if group <= 1:
+            return None
+        candidates = [link for link in self.links if link.op == op and link.group == group]
+        at_least = [link for link in candidates if link.world >= world]
+        pool = at_least or candidates
+        return min(pool, key=lambda link: abs(link.world - world)) if pool else None
+
+    def seconds(self, op: str, group: int, nbytes: float, world: int | None = None) -> float:
+        link = self.find(op, group, world or group)
+        if link is None:
+            raise InvalidArgumentError(f"no measurement of {op} over {group} processes; measure with "
+                                       f"measure_links(world_size={group})")
+        return link.seconds(nbytes)
+
+    def table(self):
+        """The measurements as a table: per operation and group, latency, bandwidth and two example sizes."""
+        from nbtrain.table import Table
+        from nbtrain.units import format_rate, format_seconds
+
+        t = Table(["operation", "group / processes", "latency", "bandwidth", "256 KiB", "4 MiB"], align="lrrrrr")
+        t.title = "communication measured on this machine (time = latency + bytes / bandwidth)"
+        for link in self.links:
+            t.add(link.op, f"{link.group} / {link.world}", format_seconds(link.latency_s),
+                  format_rate(link.bandwidth, "B/s"), format_seconds(link.seconds(256 * 2**10)),
+                  format_seconds(link.seconds(4 * 2**20)))
+        for n, factor in self.slowdowns:
+            hidden = self.overlap(2, n)
+            t.footer.append(f"{n} processes: computing at once, each {factor:.2f}× slower than alone"
+                            + (f"; DDP hides {hidden:.0%} of a 4 MiB all-reduce under backward" if hidden is not None
+                               else ""))
+        return t
+
+    def merged(self, other: "Links") -> "Links":
+        keys = {(link.op, link.group, link.world) for link in other.links}
+        kept = tuple(link for link in self.links if (link.op, link.group, link.world) not in keys)
+        worlds = {n for n, _ in other.slowdowns}
+        slowdowns = tuple(x for x in self.slowdowns if x[0] not in worlds) + other.slowdowns
+        return Links(kept + other.links, tuple(sorted(slowdowns)))
+
+    def to_list(self) -> dict:
+        return {"slowdowns": [list(x) for x in self.slowdowns],
+                "links": [[link.op, link.group, link.world, link.latency_s, link.bandwidth, list(map(list, link.points))]
+                          for link in self.links]}
+
+    @classmethod
+    def from_list(cls, data: dict) -> "Links":
+        try:
+            links = tuple(Link(str(op), int(group), int(world), float(latency), float(bandwidth),
+                               tuple((int(n), float(s)) for n, s in points))
+                          for op, group, world, latency, bandwidth, points in data.get("links", ()))
+            slowdowns = tuple((int(n), float(f)) for n, f in data.get("slowdowns", ()))
+            return cls(links, slowdowns)
+        except (TypeError, ValueError, AttributeError) as error:
+            raise InvalidArgumentError(f"a cluster's measured links are malformed ({error}); measure them again "
+                                       "with 'nbtrain cluster --detect --save FILE'") from None
+
+
+def fit_line(points) -> tuple[float, float]:
+    """Least-squares ``seconds = latency + bytes / bandwidth`` through ``(bytes, seconds)`` points; the latency is
+    kept ≥ 0 and the slope > 0 (a noisy point cannot make a larger message free).
+
+        >>> fit_line([(1000, 0.002), (3000, 0.004)])
+        (0.001, 1000000.0)
+    """
+    xs, ys = [float(n) for n, _ in points], [float(s) for _, s in points]
+    if len(xs) < 2:
+        raise InvalidArgumentError("a line needs at least two measured sizes")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope <= 0:  # flat or inverted by noise: all latency, plus the slowest point's rate for the bytes
+        slope = max(y / x for x, y in zip(xs, ys) if x) * 1e-3
+    latency = my - slope * mx
+    if latency < 0:  # through the origin instead
+        latency, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return round(latency, 9), round(1 / slope, 3)
+
+
+def links_from(points, world: int, slowdown: float = 1.0) -> Links:
+    """Fit a :class:`Link` per (op, group) through the measured (op, group, bytes, seconds) points."""
+    by_key: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for op, group, nbytes, seconds in points:
+        by_key.setdefault((op, group), []).append((nbytes, seconds))
+    links = []
+    for (op, group), pts in sorted(by_key.items()):
+        latency, bandwidth = fit_line(pts)
+        links.append(Link(op, group, world, latency, bandwidth, tuple(sorted(pts))))
+    return Links(tuple(links), ((world, slowdown),))
+
+
+CACHE_VERSION = 5
+
+
+def cache_file(world_size: int):
+    """Where this machine's measured links for ``world_size`` processes are kept: ``$NBTRAIN_CACHE_DIR`` (else
+    ``~/.cache/nbtrain``), one file per host, core count, torch version and process count."""
+
+    root = Path(os.environ.get("NBTRAIN_CACHE_DIR") or Path.home() / ".cache" / "nbtrain")
+    key = f"{platform.node() or 'host'}-{os.cpu_count()}cpu-torch{version('torch')}-v{CACHE_VERSION}"
+    return root / f"links-{key}-{world_size}proc.json"
+
+
+def measure_in_subprocess(world_size: int, *, timeout: float = 300.0) -> Links:
+    """:func:`nbtrain.profiler.link_bench.measure_links` in a fresh ``python -m`` process (its output kept out of
+    the caller's, its errors raised as ``CalibrationError`` with their last lines)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from nbtrain.errors import CalibrationError
+
+    with tempfile.TemporaryDirectory(prefix="nbtrain-links-") as folder:
+        out = Path(folder) / "links.json"
+        try:
+            done = subprocess.run([sys.executable, "-m", "nbtrain.profiler.link_bench", str(world_size), str(out)],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise CalibrationError(f"measuring communication among {world_size} processes took over {timeout:.0f} s "
+                                   "and was stopped; on a busy machine try again later") from None
+        if done.returncode != 0 or not out.exists():
+            tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+            raise CalibrationError(f"measuring communication among {world_size} processes failed (exit code "
+                                   f"{done.returncode}):\n{tail}")
+        return Links.from_list(json.loads(out.read_text()))
+
+
+def cached_links(world_size: int, *, measure: bool = True, progress=print) -> Links | None:
+    """This machine's links for ``world_size`` processes: read from :func:`cache_file`, else measured once (saying
+    so through ``progress``) and kept there; ``None`` when not cached and ``measure=False``."""
+    path = cache_file(world_size)
+    try:
+        return Links.from_list(json.loads(path.read_text()))
+    except (OSError, ValueError, InvalidArgumentError):
+        if not measure:
+            return None
+    if progress:
+        progress(f"Measuring this machine's communication among {world_size} processes, once "
+                 f"(~{10 * world_size} s; kept in {path})")
+    links = measure_in_subprocess(world_size)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(links.to_list()) + "\n")
+    except OSError:  # a read-only home: measured again next time, nothing lost
+        pass
+    return links

@@ -1,0 +1,308 @@
+"""The micro-benchmarks behind :mod:`nbtrain.profiler.collectives`, run inside spawned gloo workers.
+
+    $ python -m nbtrain.profiler.link_bench 2 links.json     # measure_links(2), ~15 s on 2 cores, kept as JSON
+
+Sizes are small enough for a 2-core machine to finish in seconds and large enough to show bandwidth (8 MiB) and
+latency (64 KiB). Every timing is the median of a few repeats started together after a barrier, and the slowest
+rank's median is kept: a collective ends when its slowest member does.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.profiler.calibrate import run_spawned
+from nbtrain.profiler.collectives import Links, links_from
+
+COLLECTIVE_SIZES = (64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
+LAYER_WIDTHS = (128, 256, 512)  # Linear(h, h) layers of 64 KiB, 256 KiB, 1 MiB in fp32 for the FSDP2 overhead
+TP_SHAPES = ((256, 128), (512, 192), (1024, 256))  # (tokens, hidden) for the TP pair: 128 KiB to 1 MiB of state
+TP_BLOCKS = ((4, 64, 128), (8, 128, 128), (8, 128, 256))  # (batch, seq, hidden): 128 KiB to 1 MiB of state
+DDP_WIDTHS = (256, 512, 768)  # 4 Linear(h, h) layers: 1, 4 and 9 MiB of fp32 gradients
+REPEATS = 9
+
+
+def _timed(step, barrier, repeats: int = REPEATS) -> float:
+    """Median seconds of ``step`` over ``repeats``, each started together (a barrier first), after a warm-up."""
+    step()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _slowest(value: float) -> float:
+    """The largest of every rank's ``value``: a collective ends when its slowest member does."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _groups(world: int) -> list[int]:
+    return [k for k in (2, 4, 8, 16) if k <= world and world % k == 0]
+
+
+def _collectives(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: (op, group, bytes, seconds) for each plain collective."""
+    rank, found = dist.get_rank(), []
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        group, local = mesh.get_group("g"), mesh.get_local_rank("g")
+        ranks = dist.get_process_group_ranks(group)
+        for nbytes in COLLECTIVE_SIZES:
+            whole = torch.ones(nbytes // 4)
+            part = torch.ones(nbytes // 4 // k)
+            pair = ranks[local ^ 1] if (local ^ 1) < k else None
+            steps = {
+                "all_reduce": lambda: dist.all_reduce(whole, group=group),
+                "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
+                "p2p": (lambda: dist.send(whole, pair, group=None)) if local % 2 == 0 else
+                       (lambda: dist.recv(whole, pair, group=None)),
+            }
+            for op, step in steps.items():
+                found.append((op, k, nbytes, _slowest(_timed(step, dist.barrier))))
+    del rank
+    return found
+
+
+def _once(step) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+def _added(plain, wrapped, x, compute_share: float = 1.0) -> tuple[float, float]:
+    """Seconds ``wrapped`` adds to ``plain``'s forward and backward on ``x`` (``plain``'s times × ``compute_share``:
+    the part of its compute each rank still does), this rank's median over rounds that time both back to back,
+    so that a slow second of a shared machine slows both sides of a difference alike."""
+    def forward(model):
+        return lambda: model(x)
+
+    def step(model):
+        return lambda: model(x).sum().backward()
+
+    for model in (plain, wrapped):  # warm-up: allocation, lazy initialisation, the first gloo connections
+        step(model)()
+    fwd, bwd = [], []
+    for _ in range(REPEATS):
+        base_f, base_s = _once(forward(plain)), _once(step(plain))
+        f, whole = _once(forward(wrapped)), _once(step(wrapped))
+        fwd.append(f - base_f * compute_share)
+        bwd.append((whole - f) - (base_s - base_f) * compute_share)
+    return max(0.0, statistics.median(fwd)), max(0.0, statistics.median(bwd))
+
+
+def _fsdp_layers(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what FSDP2 adds per Linear layer, forward and backward, by parameter bytes."""
+    from torch.distributed.fsdp import fully_shard
+
+    found, layers = [], 4
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        for h in LAYER_WIDTHS:
+            torch.manual_seed(0)
+            plain = nn.Sequential(*(nn.Linear(h, h, bias=False) for _ in range(layers)))
+            x = torch.randn(32, h)
+            for zero in (3, 2):
+                sharded = copy.deepcopy(plain)
+                for layer in sharded:
+                    fully_shard(layer, mesh=mesh["g"], reshard_after_forward=zero == 3)
+                fully_shard(sharded, mesh=mesh["g"], reshard_after_forward=zero == 3)
+                fwd, bwd = _added(plain, sharded, x)
+                nbytes = h * h * 4
+                if zero == 3:
+                    found.append(("fsdp_forward", k, nbytes, _slowest(fwd / layers)))
+                    found.append(("fsdp_backward", k, nbytes, _slowest(bwd / layers)))
+                else:
+                    found.append(("fsdp_backward_2", k, nbytes, _slowest(bwd / layers)))
+    return found
+
+
+def _tp_pairs(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what DTensor TP adds to a colwise → rowwise pair beyond its split compute."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    found = []
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        for tokens, h in TP_SHAPES:
+            torch.manual_seed(0)
+            plain = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+            x = torch.randn(tokens, h)
+            split = parallelize_module(copy.deepcopy(plain), mesh["g"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fwd, bwd = _added(plain, split, x, compute_share=1 / k)
+            nbytes = tokens * h * 4
+            found.append(("tp_forward", k, nbytes, _slowest(fwd)))
+            found.append(("tp_backward", k, nbytes, _slowest(bwd)))
+    return found
+
+
+def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what tensor parallelism adds to a whole transformer block (nbtrain's GPT block:
+    q, k, v colwise, o rowwise, the MLP's pair; its norms and attention on the local heads), by hidden-state bytes,
+    beyond its split compute."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from nbtrain.models.description import describe
+    from nbtrain.models.tensor_parallel import style_for
+
+    found = []
+    for k in [k for k in _groups(world) if k <= 4]:  # 4 heads: split at most 4 ways
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        for batch, seq, h in TP_BLOCKS:
+            model = _gpt_block_model(seq, h)
+            split = copy.deepcopy(model)
+            for name, style in describe(split).tensor_parallel[1]:
+                module = split.get_submodule(name)
+                parallelize_module(module, mesh["g"], style_for(module, style))
+            x = torch.randn(batch, seq, h)
+            fwd, bwd = _added(model.blocks[0], split.blocks[0], x, compute_share=1 / k)
+            nbytes = batch * seq * h * 4
+            found.append(("tp_block_forward", k, nbytes, _slowest(fwd)))
+            found.append(("tp_block_backward", k, nbytes, _slowest(bwd)))
+    return found
+
+
+def _gpt_block_model(seq: int, h: int):
+    from nbtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=1, n_head=4, n_embd=h, tie_embeddings=False))
+
+
+def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what FSDP2 adds to a whole transformer block (nbtrain's GPT block, its ~10
+    parameter tensors one FSDP unit), forward and backward, by the block's parameter bytes."""
+    from torch.distributed.fsdp import fully_shard
+
+    found = []
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        for batch, seq, h in TP_BLOCKS:
+            plain = _gpt_block_model(seq, h).blocks[0]
+            nbytes = sum(p.numel() for p in plain.parameters()) * 4
+            x = torch.randn(max(1, batch // k), seq, h)  # data parallel: each rank its share of the batch
+            for zero in (3, 2):
+                sharded = copy.deepcopy(plain)
+                fully_shard(sharded, mesh=mesh["g"], reshard_after_forward=zero == 3)
+                fwd, bwd = _added(plain, sharded, x)
+                if zero == 3:
+                    found.append(("fsdp_block_forward", k, nbytes, _slowest(fwd)))
+                found.append(("fsdp_block_backward" if zero == 3 else "fsdp_block_backward_2", k, nbytes,
+                              _slowest(bwd)))
+    return found
+
+
+def _clip_dtensors(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: seconds to clip the gradients of ``n`` FSDP2-sharded parameters by their global norm
+    as nbtrain's trainer does (``get_total_norm``, then ``_foreach_mul_``), by the count ``n`` (the "bytes" of
+    this link are tensors): DTensor dispatch per tensor, which plain tensors do not pay."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    found = []
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        for n in (8, 32):
+            torch.manual_seed(0)
+            net = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(n)))
+            fully_shard(net, mesh=mesh["g"])
+            net(torch.randn(8, 64)).sum().backward()
+            grads = [p.grad for p in net.parameters()]
+
+            def clip():
+                norm = torch.nn.utils.get_total_norm(grads)
+                total = norm.full_tensor() if isinstance(norm, DTensor) else norm
+                torch._foreach_mul_(grads, float(1e-3 / (total + 1e-6)))
+
+            found.append(("clip_dtensor", k, n, _slowest(_timed(clip, dist.barrier))))
+    return found
+
+
+def _block_step(x, block) -> None:
+    block(x).sum().backward()
+
+
+def _compute_slowdown() -> float:
+    """Inside a spawned worker: how much slower a training step's compute (a transformer block's forward and
+    backward over 4 × 128 tokens: matmuls, and the norms, softmax and activations that stream memory) runs when
+    every process computes at once than when rank 0 computes alone, the others waiting in a barrier: the cores,
+    caches and memory bandwidth the processes share."""
+    net = _gpt_block_model(128, 192).blocks[0]
+    x = torch.randn(4, 128, 192)
+    _block_step(x, net)
+    ratios = []
+    for _ in range(REPEATS):  # alone and together back to back, so that the machine's drift cancels in each ratio
+        dist.barrier()
+        alone = torch.tensor([0.0], dtype=torch.float64)
+        if dist.get_rank() == 0:
+            started = time.perf_counter()
+            _block_step(x, net)
+            alone[0] = time.perf_counter() - started
+        dist.broadcast(alone, 0)
+        together = _slowest(_once(lambda: _block_step(x, net)))
+        ratios.append(together / float(alone))
+    return max(1.0, statistics.median(ratios))
+
+
+def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what DistributedDataParallel adds to a backward with real compute beside its
+    bucketed all-reduces (4 Linear layers over 256 tokens), by gradient bytes: the overlap gloo really gives."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = []
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        for h in DDP_WIDTHS:
+            torch.manual_seed(0)
+            plain = nn.Sequential(*(nn.Linear(h, h, bias=False) for _ in range(4)))
+            x = torch.randn(256, h)
+            wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=mesh.get_group("g"))
+            _, bwd = _added(plain, wrapped, x)
+            found.append(("ddp_backward", k, 4 * h * h * 4, _slowest(bwd)))
+    return found
+
+
+def measure_in_worker(world: int) -> tuple[list, float]:
+    """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
+    torch.set_num_threads(1)
+    return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _fsdp_blocks(world)
+            + _ddp_backward(world) + _clip_dtensors(world)), _compute_slowdown()
+
+
+def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:
+    """Measure every operation of the table above among ``world_size`` spawned gloo processes (~15 s for 2 on
+    2 cores): ``measure_links(4)`` also measures the groups of 2 inside 4, both pairs at once."""
+    if world_size < 2:
+        raise InvalidArgumentError(f"communication needs world_size ≥ 2 processes, got {world_size}")
+    results = run_spawned(measure_in_worker, world_size, world_size, timeout=timeout, what="communication benchmark")
+    points, slowdown = results[0]  # every rank agreed on the slowest time of each point (_slowest)
+    return links_from(points, world_size, slowdown)
+
+
+def main(argv=None) -> None:
+    """``python -m nbtrain.profiler.link_bench WORLD FILE``: measure among WORLD processes, write the links to FILE
+    as JSON. :func:`nbtrain.profiler.collectives.cached_links` runs it so, in a fresh interpreter: spawned workers
+    re-import the parent's main module, which in a user's script (or notebook) may be anything."""
+    import json
+    import sys
+    from pathlib import Path
+
+    world, path = (argv if argv is not None else sys.argv[1:])[:2]
+    Path(path).write_text(json.dumps(measure_links(int(world)).to_list()) + "\n")
+
+
+if __name__ == "__main__":
+    main()

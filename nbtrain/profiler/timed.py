@@ -1,0 +1,52 @@
+"""Profiles timed on this machine as its workers run, kept per model structure so that a second cell pays nothing.
+
+    >>> prof = timed_profile(model, batch_size=4, seq_len=128)     # each layer timed, one intra-op thread
+    >>> timed_profile(model, batch_size=4, seq_len=128) is prof     # the same structure and shape: from the cache
+    True
+
+On a CPU cluster each worker process runs one intra-op thread (``nbtrain.launch`` sets it), so its layers are timed
+with one thread here too; the cost model then scales each layer's time by FLOPs to a plan's micro-batch
+(Galvatron-BMW profiles compute the same way) and by the processes that share a core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nbtrain.profiler.model import profile
+from nbtrain.profiler.result import ModelProfile
+
+_CACHE: dict[tuple, ModelProfile] = {}
+
+
+def structure_key(model: nn.Module) -> tuple:
+    """What a profile's numbers depend on: the module classes in order and every parameter's name, shape, dtype."""
+    return (tuple(type(m).__qualname__ for m in model.modules()),
+            tuple((name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()))
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def timed_profile(model: nn.Module, *, batch_size: int, seq_len: int | None, inputs: Callable | None = None,
+                  loss_fn: Callable | None = None, tp_plan: dict | None = None, threads: int = 1) -> ModelProfile:
+    """``nbtrain.profile(model, ..., measure="cpu")`` at ``batch_size`` sequences, timed with ``threads`` intra-op
+    threads, cached by :func:`structure_key`, shape and the workload's functions."""
+    key = (structure_key(model), batch_size, seq_len, inputs, loss_fn,
+           tuple(sorted((tp_plan or {}).items())), threads)
+    if key not in _CACHE:
+        with _threads(threads):
+            _CACHE[key] = profile(model, batch_size=batch_size, seq_len=seq_len, dtype="fp32", measure="cpu",
+                                  inputs=inputs, loss_fn=loss_fn, tp_plan=tp_plan)
+    return _CACHE[key]

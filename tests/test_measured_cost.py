@@ -1,0 +1,148 @@
+"""The cost model on a machine it has measured: communication fitted per operation and size, compute slowed by the
+processes that share the cores, FSDP2, DDP and TP priced as measured, and a recommendation that follows what the
+measurements say rather than datasheet habits.
+
+    .venv/bin/pytest tests/test_measured_cost.py -q          # < 2 s: synthetic profiles and links, no processes
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.planner.cost import CostModel
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.recommend import plan as recommend
+from nbtrain.planner.search_space import SearchOptions
+from nbtrain.profiler.collectives import Link, Links, fit_line
+from nbtrain.profiler.hardware import Cluster
+from tests.planner_fixtures import layer, profile
+
+MB = 1e6
+
+
+def measured(ops: dict[str, tuple[float, float]], world: int = 2, slowdown: float = 1.0) -> Links:
+    """Links for groups of 2 among ``world`` processes: op → (latency s, bandwidth B/s)."""
+    return Links(tuple(Link(op, 2, world, lat, bw) for op, (lat, bw) in ops.items()), ((world, slowdown),))
+
+
+def cpu(processes: int = 2, cores: int = 2, links: Links = Links()) -> Cluster:
+    return Cluster.from_catalog("cpu", num_devices=processes, host_cores=cores, source="calibrated", links=links)
+
+
+def toy(params: int = 1_000_000, blocks: int = 4):
+    """An fp32 model of equal blocks, 1 MFLOP per token each, small activations: it fits anywhere."""
+    layers = [layer("embed", "embedding", params=params, act=100, out=400, fwd=1e3, dtype_bytes=4)]
+    layers += [layer(f"blocks.{i}", "block", params=params, act=2000, out=400, fwd=1e6, dtype_bytes=4)
+               for i in range(blocks)]
+    layers.append(layer("head", "head", params=params, act=100, out=400, fwd=1e6, dtype_bytes=4))
+    return profile(layers, seq_len=64, dtype="float32")
+
+
+# --- fitting what was measured ---------------------------------------------------------------------------------
+
+def test_a_line_through_two_measured_sizes_is_their_latency_and_bandwidth():
+    # 2 ms at 1 kB and 4 ms at 3 kB: 1 ms fixed, then 1 ms per kB, i.e. 1 MB/s
+    assert fit_line([(1000, 0.002), (3000, 0.004)]) == (0.001, 1e6)
+
+
+def test_noise_never_makes_a_latency_negative_or_a_larger_message_free():
+    latency, bandwidth = fit_line([(1000, 0.003), (2000, 0.001)])  # the larger message measured faster
+    assert latency >= 0 and 0 < bandwidth < float("inf")
+    latency, bandwidth = fit_line([(1000, 0.0001), (2000, 0.0030)])  # a steep line crosses zero: through the origin
+    assert latency == 0 and bandwidth > 0
+
+
+def test_a_link_is_found_for_its_group_and_the_nearest_larger_world():
+    links = Links((Link("all_reduce", 2, 2, 1e-3, 1e9), Link("all_reduce", 2, 4, 3e-3, 5e8)))
+    assert links.find("all_reduce", 2, 2).world == 2
+    assert links.find("all_reduce", 2, 3).world == 4  # more processes contend more: the safe side
+    assert links.find("all_reduce", 1, 2) is None  # a group of one talks to nobody
+    assert links.find("all_gather", 2, 2) is None
+    with pytest.raises(InvalidArgumentError, match="measure_links"):
+        links.seconds("all_gather", 2, 1000)
+
+
+def test_a_cluster_measured_here_keeps_its_links_through_json(tmp_path):
+    here = cpu(links=measured({"all_reduce": (1e-3, 1e9), "fsdp_forward": (2e-3, 5e8)}, slowdown=1.1))
+    here.save(tmp_path / "here.json")
+    assert Cluster.load(tmp_path / "here.json") == here
+    assert json.loads((tmp_path / "here.json").read_text())["links"]["slowdowns"] == [[2, 1.1]]
+
+
+def test_merging_measurements_of_another_process_count_keeps_both():
+    two, four = measured({"all_reduce": (1e-3, 1e9)}, 2), measured({"all_reduce": (3e-3, 5e8)}, 4, slowdown=2.1)
+    both = two.merged(four)
+    assert {link.world for link in both.links} == {2, 4}
+    assert both.slowdown(2) == 1.0 and both.slowdown(4) == 2.1
+
+
+# --- compute on shared cores -----------------------------------------------------------------------------------
+
+def test_more_worker_processes_than_cores_share_them_in_time():
+    assert cpu(processes=4, cores=2).core_share == 2.0
+    assert cpu(processes=2, cores=2).core_share == 1.0
+    assert Cluster.from_catalog("H100", num_devices=8).core_share == 1.0  # a GPU computes on its own
+
+
+def test_four_processes_on_two_cores_take_twice_the_compute_time_of_four_on_four():
+    prof, plan = toy(), Plan.parse("dp_replicate=4", num_devices=4, num_layers=6, global_batch=8, seq_len=64)
+    shared = CostModel(prof, cpu(4, 2), global_batch=8).estimate(plan).time.compute
+    own = CostModel(prof, cpu(4, 4), global_batch=8).estimate(plan).time.compute
+    assert shared == pytest.approx(2 * own)
+
+
+def test_a_measured_slowdown_of_processes_computing_at_once_is_charged_but_never_below_the_core_share():
+    prof, plan = toy(), Plan.parse("dp_replicate=2", num_devices=2, num_layers=6, global_batch=8, seq_len=64)
+    alone = CostModel(prof, cpu(2, 2), global_batch=8).estimate(plan).time.compute
+    slowed = CostModel(prof, cpu(2, 2, measured({}, 2, slowdown=1.25)), global_batch=8).estimate(plan).time.compute
+    assert slowed == pytest.approx(1.25 * alone)
+    plan4 = Plan.parse("dp_replicate=4", num_devices=4, num_layers=6, global_batch=8, seq_len=64)
+    quarter = CostModel(prof, cpu(4, 4), global_batch=8).estimate(plan4).time.compute
+    optimistic = CostModel(prof, cpu(4, 2, measured({}, 4, slowdown=1.2)), global_batch=8).estimate(plan4)
+    assert optimistic.time.compute == pytest.approx(2 * quarter)  # 4 on 2 cores: at least twice, whatever was seen
+
+
+# --- communication priced as measured ----------------------------------------------------------------------------
+
+def test_ddp_pays_what_it_was_measured_to_add_for_the_model_s_gradient_bytes():
+    prof = toy()
+    grad_bytes = prof.params * 4
+    links = measured({"ddp_backward": (0.002, 100 * MB)})
+    plan = Plan.parse("dp_replicate=2", num_devices=2, num_layers=6, global_batch=8, seq_len=64)
+    paid = CostModel(prof, cpu(links=links), global_batch=8).estimate(plan).time.dp_comm
+    assert paid == pytest.approx(0.002 + grad_bytes / (100 * MB))  # the fixed part once a step, the bytes at the rate
+
+
+def test_fsdp_pays_its_measured_gather_and_reduce_per_layer_and_per_parameter_byte():
+    prof = toy()
+    links = measured({"fsdp_forward": (0.001, 1000 * MB), "fsdp_backward": (0.002, 500 * MB),
+                      "fsdp_backward_2": (0.0015, 800 * MB)})
+    model = CostModel(prof, cpu(links=links), global_batch=8)
+    zero3 = Plan.parse("dp_shard=2 zero=3", num_devices=2, num_layers=6, global_batch=8, seq_len=64)
+    zero2 = Plan.parse("dp_shard=2 zero=2", num_devices=2, num_layers=6, global_batch=8, seq_len=64)
+    layer_bytes = 1_000_000 * 4
+    assert model.estimate(zero3).time.zero3_comm == pytest.approx(
+        6 * (0.001 + layer_bytes / (1000 * MB) + 0.002 + layer_bytes / (500 * MB)))
+    assert model.estimate(zero2).time.zero3_comm == pytest.approx(
+        6 * (0.001 + layer_bytes / (1000 * MB) + 0.0015 + layer_bytes / (800 * MB)))
+
+
+@pytest.mark.parametrize("slow", ["fsdp", "ddp"])
+def test_a_slow_measured_wrapper_stops_being_recommended_for_a_model_that_fits_either_way(slow):
+    """FSDP or DDP, for a model whose states fit on one device many times over: whichever this machine was
+    measured to run slower loses, whatever a datasheet would say."""
+    fast, crawl = (0.0, 1e12), (0.05, 1 * MB)
+    links = measured({
+        "fsdp_forward": crawl if slow == "fsdp" else fast, "fsdp_backward": crawl if slow == "fsdp" else fast,
+        "fsdp_backward_2": crawl if slow == "fsdp" else fast, "ddp_backward": crawl if slow == "ddp" else fast,
+        "all_reduce": crawl if slow == "ddp" else fast,
+        "tp_forward": crawl, "tp_backward": crawl, "tp_block_forward": crawl, "tp_block_backward": crawl,
+        "p2p": crawl, "all_gather": crawl})
+    best = recommend(toy(), cpu(links=links), global_batch=8, seq_len=64,
+                     options=SearchOptions(offload_levels=(0.0,)))
+    strategies = {(s.dp_replicate, s.dp_shard, s.tp) for s in best.layers}
+    assert strategies == ({(2, 1, 1)} if slow == "fsdp" else {(1, 2, 1)})
+    assert best.pp == 1
