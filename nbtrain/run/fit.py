@@ -261,6 +261,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     styles, ``{"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}``, :mod:`nbtrain.models.tensor_parallel`)
     splits a model that carries no tensor-parallel plan of its own."""
     from nbtrain.models.description import check_tensor_parallel_plan
+    from nbtrain.run.launch.environment import check_limit, visible_gpus
     from nbtrain.run.launch.workers import launch, launched_externally, runs_in_this_process
 
     positive_int(steps, f"steps must be a positive integer, got {steps!r}")
@@ -302,6 +303,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         plan = plan.replace(global_batch=plan.global_batch * accumulate, microbatches=plan.microbatches * accumulate)
     predicted = predicted_memory = None
     if cluster is not None:
+        if not runs_in_this_process(num_processes):  # before measuring anything for that many processes
+            check_limit(num_processes, visible_gpus())
         if cluster.num_devices != num_processes and cluster.num_nodes == 1:
             # Cluster.detect() counts every core (or GPU) of this machine; the run uses num_processes of them
             cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
