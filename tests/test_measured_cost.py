@@ -8,6 +8,7 @@ measurements say rather than datasheet habits.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -146,3 +147,41 @@ def test_a_slow_measured_wrapper_stops_being_recommended_for_a_model_that_fits_e
     strategies = {(s.dp_replicate, s.dp_shard, s.tp) for s in best.layers}
     assert strategies == ({(2, 1, 1)} if slow == "fsdp" else {(1, 2, 1)})
     assert best.pp == 1
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_measurement_that_runs_out_of_time_stops_every_process_it_started(monkeypatch):
+    """The benchmark runs in its own session with the gloo workers it spawns: a timeout (or Ctrl-C) must not leave
+    them behind, each holding a copy of torch and a share of the cores."""
+    import os
+    import subprocess
+
+    import psutil
+
+    from nbtrain.errors import CalibrationError
+    from nbtrain.profiler import collectives
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        child = real_popen(*args, **kwargs)
+        started.append(child.pid)
+        return child
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    with pytest.raises(CalibrationError, match="was stopped"):
+        collectives.measure_in_subprocess(2, timeout=8)  # ~8 s: the workers are up and measuring by then
+
+    def alive_in_session(process) -> bool:
+        try:  # a zombie has let go of everything: only its exit status waits for its (new) parent
+            return os.getsid(process.pid) == started[0] and process.status() != psutil.STATUS_ZOMBIE
+        except (OSError, psutil.Error):  # gone meanwhile
+            return False
+
+    deadline = time.monotonic() + 5  # SIGKILL is delivered, not awaited
+    while (left := [p.pid for p in psutil.process_iter() if alive_in_session(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started and not left

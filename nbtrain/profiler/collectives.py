@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -205,12 +206,19 @@ def measure_in_subprocess(world_size: int, *, timeout: float = 300.0) -> Links:
 
     with tempfile.TemporaryDirectory(prefix="nbtrain-links-") as folder:
         out = Path(folder) / "links.json"
+        # its own session, so that on a timeout (or Ctrl-C) the benchmark and the workers it spawned go together
+        child = subprocess.Popen([sys.executable, "-m", "nbtrain.profiler.link_bench", str(world_size), str(out)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            done = subprocess.run([sys.executable, "-m", "nbtrain.profiler.link_bench", str(world_size), str(out)],
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise CalibrationError(f"measuring communication among {world_size} processes took over {timeout:.0f} s "
-                                   "and was stopped; on a busy machine try again later") from None
+            _, stderr = child.communicate(timeout=timeout)
+        except BaseException as error:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise CalibrationError(f"measuring communication among {world_size} processes took over "
+                                       f"{timeout:.0f} s and was stopped; on a busy machine try again later") from None
+            raise
+        done = subprocess.CompletedProcess(child.args, child.returncode, "", stderr)
         if done.returncode != 0 or not out.exists():
             tail = "\n".join(done.stderr.strip().splitlines()[-8:])
             raise CalibrationError(f"measuring communication among {world_size} processes failed (exit code "
