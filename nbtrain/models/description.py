@@ -279,8 +279,7 @@ def planner_facts(description: ModelDescription) -> dict:
     ``no_tensor_parallel`` / ``no_pipeline`` (why not; empty: it can), ``cuts_stages``, ``traced_stages`` (its
     stages are traced graphs, which run without tensor parallelism), ``splits_tied``, and
     ``tp_pairs`` (per layer, the styles that sum or gather in forward: the collectives TP issues each way),
-    ``tp_gathers_output`` (layers whose output is gathered whole: an LM head), ``param_tensors`` (per layer, its
-    parameter tensors: what per-tensor work such as clipping DTensors costs), and
+    ``tp_gathers_output`` (layers whose output is gathered whole: an LM head), and
     ``tp_unit``, a number every tensor-parallel degree must divide (the split features, the heads when they are
     split; 0: no limit)."""
     sizes = []
@@ -297,8 +296,6 @@ def planner_facts(description: ModelDescription) -> dict:
             "tp_unit": math.gcd(*sizes) if sizes else 0,
             "tp_pairs": [max(1, sum(style in COMMUNICATING for _, style in entries)) if entries else 0
                          for entries in description.tensor_parallel],
-            "param_tensors": [len({id(p) for parent, attr in slots for p in slot_module(parent, attr).parameters()})
-                              for slots in description.layers],
             "tp_gathers_output": [i for i, entries in enumerate(description.tensor_parallel)
                                   if any(style == "colwise_gather_output" for _, style in entries)]}
 

@@ -159,8 +159,8 @@ class CostModel:
         return max(1.0, sum(layer.params for layer in self.profile.layers) * self.options.grad_reduce_bytes / tp)
 
     def _arch_list(self, key: str, layer: int, default: int) -> int:
-        """A per-layer fact of the profile (``tp_pairs``: the collectives TP issues each way; ``param_tensors``),
-        or ``default`` for a block (1 for other layers) when the profile does not say."""
+        """A per-layer fact of the profile (``tp_pairs``: the collectives TP issues each way), or ``default`` for a
+        block (1 for other layers) when the profile does not say."""
         values = self.profile.arch.get(key)
         if values and layer < len(values):
             return values[layer]
@@ -260,7 +260,7 @@ class CostModel:
         else:  # gradients down, weights up; the device's own step, at its memory bandwidth, is not modelled
             pcie, update = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth, 0.0
         if opt.clip:
-            update += clip_seconds(self.links, c.num_devices, s, tensors=self._arch_list("param_tensors", index, 8),
+            update += clip_seconds(self.links, c.num_devices, s, param_bytes=p * e / s.dp_shard,
                                    layers=len(self.profile.layers))
         # the update hides under backward only on cores the backward leaves free: not on a CPU whose worker
         # processes take every core

@@ -63,11 +63,12 @@ def replica_seconds(links: Links, world: int, s: Strategy, *, grad_bytes: float,
     return None if reduce is None else reduce.seconds(grad_bytes / s.dp_shard)
 
 
-def clip_seconds(links: Links, world: int, s: Strategy, *, tensors: int, layers: int) -> float:
-    """Clipping this layer's ``tensors`` DTensor gradients (sharded or split: FSDP2 or TP) by the global norm, as
-    measured; the fixed part of one clip shared out over the model's ``layers``. Plain tensors: 0 here."""
-    group = max(s.dp_shard, s.tp)
-    clip = links.find("clip_dtensor", group, world) if group > 1 else None
+def clip_seconds(links: Links, world: int, s: Strategy, *, param_bytes: float, layers: int) -> float:
+    """Clipping this layer's DTensor gradients (split by TP, or sharded by FSDP2) by the global norm, as the trainer
+    does, measured on a transformer block: the bytes at the measured rate, the fixed part (a reduction per group of
+    like DTensors, once a step) shared out over the model's ``layers``. Plain tensors (DDP): 0 here."""
+    op, group = ("tp_clip", s.tp) if s.tp > 1 else ("fsdp_clip", s.dp_shard)
+    clip = links.find(op, group, world) if group > 1 else None
     if clip is None:
         return 0.0
-    return clip.seconds(tensors) - clip.latency_s * (1 - 1 / layers)
+    return clip.latency_s / layers + param_bytes / clip.bandwidth

@@ -25,8 +25,9 @@ collectives). The operations:
                     five split linears, norms, attention on the local heads) whose hidden state is ``bytes``
 ``tp_block_backward`` the same in backward
 ``fsdp_block_*``    the same three for a whole transformer block as one FSDP2 unit (nbtrain's GPT block)
-``clip_dtensor``    seconds to clip the gradients of ``bytes`` (here: a count of) FSDP2-sharded tensors by their
-                    global norm: DTensor dispatch per tensor
+``tp_clip``         seconds to clip a TP-split transformer block's gradients (``bytes`` of parameters) by their
+                    global norm, as the trainer does (:func:`nbtrain.gradients.clip_grad_norm`)
+``fsdp_clip``       the same for a block sharded by FSDP2
 ``ddp_backward``    what ``DistributedDataParallel`` adds to a backward (4 Linear layers over 256 tokens) whose
                     gradients are ``bytes``: its bucketed all-reduces, less what hid under the compute
 ==================  ===========================================================================================
@@ -183,7 +184,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 
 
 def cache_file(world_size: int):

@@ -172,6 +172,7 @@ def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
             nbytes = batch * seq * h * 4
             found.append(("tp_block_forward", k, nbytes, _slowest(fwd)))
             found.append(("tp_block_backward", k, nbytes, _slowest(bwd)))
+            found.append(("tp_clip", k, _param_bytes(model.blocks[0]), _clip(split.blocks[0], x)))
     return found
 
 
@@ -180,6 +181,21 @@ def _gpt_block_model(seq: int, h: int):
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=1, n_head=4, n_embd=h, tie_embeddings=False))
+
+
+def _param_bytes(module) -> int:
+    return sum(p.numel() for p in module.parameters()) * 4
+
+
+def _clip(block, x) -> float:
+    """The slowest rank's median seconds to clip ``block``'s gradients (DTensors) by their global norm, as the
+    trainer does every step (:func:`nbtrain.gradients.clip_grad_norm`: a norm per group of like DTensors, their
+    reduction, the scaling)."""
+    from nbtrain.gradients import clip_grad_norm
+
+    block(x).sum().backward()
+    params = list(block.parameters())
+    return _slowest(_timed(lambda: clip_grad_norm(params, 1e-3), dist.barrier))
 
 
 def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
@@ -192,7 +208,7 @@ def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for batch, seq, h in TP_BLOCKS:
             plain = _gpt_block_model(seq, h).blocks[0]
-            nbytes = sum(p.numel() for p in plain.parameters()) * 4
+            nbytes = _param_bytes(plain)
             x = torch.randn(max(1, batch // k), seq, h)  # data parallel: each rank its share of the batch
             for zero in (3, 2):
                 sharded = copy.deepcopy(plain)
@@ -200,34 +216,9 @@ def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
                 fwd, bwd = _added(plain, sharded, x)
                 if zero == 3:
                     found.append(("fsdp_block_forward", k, nbytes, _slowest(fwd)))
+                    found.append(("fsdp_clip", k, nbytes, _clip(sharded, x)))
                 found.append(("fsdp_block_backward" if zero == 3 else "fsdp_block_backward_2", k, nbytes,
                               _slowest(bwd)))
-    return found
-
-
-def _clip_dtensors(world: int) -> list[tuple[str, int, int, float]]:
-    """Inside a spawned worker: seconds to clip the gradients of ``n`` FSDP2-sharded parameters by their global norm
-    as nbtrain's trainer does (``get_total_norm``, then ``_foreach_mul_``), by the count ``n`` (the "bytes" of
-    this link are tensors): DTensor dispatch per tensor, which plain tensors do not pay."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    found = []
-    for k in _groups(world):
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
-        for n in (8, 32):
-            torch.manual_seed(0)
-            net = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(n)))
-            fully_shard(net, mesh=mesh["g"])
-            net(torch.randn(8, 64)).sum().backward()
-            grads = [p.grad for p in net.parameters()]
-
-            def clip():
-                norm = torch.nn.utils.get_total_norm(grads)
-                total = norm.full_tensor() if isinstance(norm, DTensor) else norm
-                torch._foreach_mul_(grads, float(1e-3 / (total + 1e-6)))
-
-            found.append(("clip_dtensor", k, n, _slowest(_timed(clip, dist.barrier))))
     return found
 
 
@@ -279,7 +270,7 @@ def measure_in_worker(world: int) -> tuple[list, float]:
     """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
     torch.set_num_threads(1)
     return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _fsdp_blocks(world)
-            + _ddp_backward(world) + _clip_dtensors(world)), _compute_slowdown()
+            + _ddp_backward(world)), _compute_slowdown()
 
 
 def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:

@@ -158,7 +158,7 @@ def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> lis
 
 def _by_mesh(model: nn.Module) -> list[dict]:
     """Parameter groups of one kind each: plain tensors, and DTensors per mesh (a fused kernel takes one kind)."""
-    from nbtrain.run.trainer import group_by_kind
+    from nbtrain.gradients import group_by_kind
 
     return [{"params": params} for params in group_by_kind(list(model.parameters()))]
 

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from nbtrain.data import IGNORE
@@ -33,6 +32,7 @@ from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.models.adapters import detect_family
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
+from nbtrain.gradients import clip_grad_norm
 from nbtrain.profiler.trace import call_model
 from nbtrain.run.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
@@ -63,36 +63,6 @@ class StepRecord:
     """Seconds a checkpoint saved after this step took (not in ``seconds``), when one was."""
 
 
-def clip_grad_norm(parameters, max_norm: float, pipeline_group=None, counted_elsewhere=()) -> float:
-    """Clip the gradients of all ``parameters`` to a total norm of ``max_norm``; returns the norm before.
-
-    Parameters may be DTensors on different meshes (TP × FSDP here, FSDP only there), which
-    ``torch.nn.utils.clip_grad_norm_`` cannot stack. The gradients are grouped by kind (plain tensors; DTensors
-    per mesh and placement); each group's norm is one fused kernel and, for DTensors, one reduction of the shards'
-    partial norms; the groups combine as ``sqrt(Σ normᵢ²)``. A pipeline stage holds only its layers' gradients: the
-    squares are summed over ``pipeline_group`` too, so every stage clips by the norm of the whole model. Gradients of
-    ``counted_elsewhere`` (a tied embedding's copy in the last stage: the first stage holds the same gradient) are
-    clipped but left out of the norm, so that a weight is counted once.
-    """
-    parameters = list(parameters)
-    groups = group_by_kind([p.grad for p in parameters if p.grad is not None])
-    skip = {id(p) for p in counted_elsewhere}
-    counted = group_by_kind([p.grad for p in parameters if p.grad is not None and id(p) not in skip]) if skip \
-        else groups
-    square = torch.zeros((), dtype=torch.float64)
-    for grads in counted:
-        norm = torch.nn.utils.get_total_norm(grads)
-        square += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
-    if pipeline_group is not None:
-        dist.all_reduce(square, group=pipeline_group)
-    total = math.sqrt(float(square))
-    scale = max_norm / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
-    if scale < 1.0:
-        for grads in groups:
-            torch._foreach_mul_(grads, scale)
-    return total
-
-
 def gradient_sync(model: nn.Module, enabled: bool, offloaded=None):
     """A context in which backward reduces gradients over data-parallel ranks (``enabled``) or only accumulates them
     (every micro-batch of a step but the last): DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``, and an
@@ -111,15 +81,6 @@ def check_on_nonfinite(value: str) -> str:
     if value not in ("stop", "skip"):
         raise InvalidArgumentError(f"on_nonfinite must be 'stop' or 'skip', got {value!r}")
     return value
-
-
-def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Plain tensors together, DTensors by (mesh, placements): the lists a foreach or fused kernel takes whole."""
-    groups: dict = {}
-    for t in tensors:
-        key = (id(t.device_mesh), t.placements) if isinstance(t, DTensor) else None
-        groups.setdefault(key, []).append(t)
-    return list(groups.values())
 
 
 def counted_targets(targets) -> int | None:

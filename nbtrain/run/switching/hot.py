@@ -46,7 +46,8 @@ from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.models.description import layer_slots
 from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
 from nbtrain.run.switching.reshard import Resharding
-from nbtrain.run.trainer import clip_grad_norm, gradient_sync, group_by_kind
+from nbtrain.gradients import clip_grad_norm, group_by_kind
+from nbtrain.run.trainer import gradient_sync
 
 
 @dataclass(frozen=True)
