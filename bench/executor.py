@@ -1,6 +1,7 @@
 """The executor's speed: nbtrain against plain DDP on the same work, and the cost model against measured steps.
 
-    NBTRAIN_NONINTERACTIVE=1 python bench/executor.py   # ~3.5 min on 2 cores; tables on stdout, torch's warnings on stderr
+    NBTRAIN_NONINTERACTIVE=1 python bench/executor.py   # ~2.5 min on 2 cores (+1 min the first time: measuring
+                                                        # communication); tables on stdout, warnings on stderr
 
 1. **nbtrain vs DDP.** One small GPT (untied head, fp32, fused AdamW), one list of global batches, 2 processes
    forked by ``nbtrain.launch`` in every case: ``nbtrain.fit(plan="dp_replicate=2")`` (DDP under nbtrain's
