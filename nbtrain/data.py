@@ -25,11 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from nbtrain.data_corpus import stdlib_batches, stdlib_documents, tokenize
+from nbtrain.data_lengths import WIKIPEDIA, LengthHistogram, histogram_documents
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
 
-__all__ = ["IGNORE", "PackedRows", "as_documents", "bucket_of", "document_mask", "document_positions",
-           "length_batches", "pack", "power_of_two_bounds", "stdlib_batches", "stdlib_documents", "tokenize"]
+__all__ = ["IGNORE", "WIKIPEDIA", "LengthHistogram", "PackedRows", "as_documents", "bucket_of", "document_mask",
+           "document_positions", "histogram_documents", "length_batches", "pack", "power_of_two_bounds",
+           "stdlib_batches", "stdlib_documents", "tokenize"]
 
 IGNORE = -100
 """The target of a token that predicts nothing (``F.cross_entropy``'s default ``ignore_index``)."""

@@ -57,6 +57,7 @@ LAYER_OF = {
     # infrastructure: it tokenizes the stdlib documents that nbtrain.data serves, and uses torch).
     "data": "data",
     "data_corpus": "data",
+    "data_lengths": "data",  # documents with a measured length mix (the Wikipedia histogram), filled from the corpus
     # The subpackages, in layer order.
     "models": "models",
     "profiler": "profiler",
