@@ -69,9 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                        description="Profile the model, search data/sharded/tensor/pipeline parallelism, activation "
                                    "checkpointing and CPU offload per layer, and print the plan.")
     q.add_argument("model", help="a preset or 'package.module:attribute' (as for 'nbtrain profile')")
-    q.add_argument("--gpus", type=_positive_int, default=1, help="number of devices (default 1)")
+    q.add_argument("--gpus", type=_positive_int, default=None,
+                   help="devices of a described cluster (default 1 with --gpu; without --gpus and --gpu: this machine)")
     q.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node (default ≤ 8)")
-    q.add_argument("--gpu", default="H100", help="device from the catalog (default H100)")
+    q.add_argument("--gpu", default=None, help="device from the catalog (default H100 with --gpus; without --gpus "
+                                               "and --gpu: this machine's GPUs, or 2 CPU worker processes)")
     q.add_argument("--cluster", default=None, metavar="FILE",
                    help="plan for the cluster saved in FILE (nbtrain cluster ... --save FILE) instead of --gpu/--gpus")
     q.add_argument("--memory", default=None, help="memory budget per device, e.g. 40GiB (default: the device's)")
@@ -178,11 +180,18 @@ def _plan(args) -> None:
     from nbtrain.profiler.hardware import Cluster
     from nbtrain.profiler.model import profile
 
-    if args.cluster and (args.gpus != 1 or args.gpus_per_node or args.gpu != "H100"):
+    described = args.gpus is not None or args.gpu is not None or args.gpus_per_node is not None
+    if args.cluster and described:
         raise InvalidArgumentError("--cluster FILE describes the devices, so --gpu, --gpus and --gpus-per-node have "
                                    "no meaning with it; give one or the other")
-    cluster = Cluster.load(args.cluster) if args.cluster else \
-        Cluster.from_catalog(args.gpu, num_devices=args.gpus, devices_per_node=args.gpus_per_node)
+    if args.cluster:
+        cluster = Cluster.load(args.cluster)
+    elif described:
+        cluster = Cluster.from_catalog(args.gpu or "H100", num_devices=args.gpus or 1,
+                                       devices_per_node=args.gpus_per_node)
+    else:
+        cluster = Cluster.this_machine(2, progress=None if args.json else print)
+
     prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
     job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
                            strategy=args.strategy, top=args.top)

@@ -135,3 +135,11 @@ def test_a_worker_errors_line_is_its_message_without_the_traceback_and_keeps_wha
     assert error.summary == ("rank 1 of 2 failed: ValueError: bad; the other workers were stopped. The last complete "
                              "checkpoint is ckpt/step-2.")
     assert WorkerError("rank 0 of 2 died with signal SIGKILL", 0).summary == "rank 0 of 2 died with signal SIGKILL"
+
+
+def test_plan_without_a_described_cluster_is_for_this_machine_and_says_so(capsys):
+    main(["plan", "gpt-tiny", "--batch", "8", "--seq", "64"])  # no --gpus, --gpu, --cluster: here, 2 CPU processes
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("recommended: ") and summary.endswith("· for this machine: 2 × cpu (calibrated)")
+    main(["plan", "gpt-tiny", "--gpus", "2", "--batch", "8", "--seq", "64"])  # one flag: a described cluster
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("· for 2 × H100 (catalog)")

@@ -52,7 +52,16 @@ def test_plan_only_shows_the_table_the_comparison_and_the_summary_and_stores_the
     out = capsys.readouterr().out
     assert "time/µbatch" in out  # the per-stage plan table
     assert "DDP" in out and "FSDP (ZeRO-3)" in out  # the comparison with the usual strategies
-    assert best.summary() in out.splitlines()
+    assert f"{best.summary()} · for 8 × H100 (catalog)" in out.splitlines()  # and which cluster it was
+
+
+def test_without_gpus_or_gpu_the_plan_is_for_this_machine_and_says_so(shell, capsys):
+    """No cluster described: this machine (here: no GPU, so the 2 CPU processes --launch would start), measured."""
+    result = run(shell, "--batch 8 -q -o here")
+    assert result.success, result.error_in_exec
+    here = shell.user_ns["here"]
+    assert here.num_devices == 2
+    assert capsys.readouterr().out.strip().endswith("· for this machine: 2 × cpu (calibrated)")
 
 
 def test_dollar_variables_in_the_line_expand(shell):
@@ -63,7 +72,7 @@ def test_dollar_variables_in_the_line_expand(shell):
 
 def test_quiet_prints_only_the_summary(shell, capsys):
     assert run(shell, "--gpus 2 --batch 8 -q -o quiet").success
-    assert capsys.readouterr().out.strip() == shell.user_ns["quiet"].summary()
+    assert capsys.readouterr().out.strip() == f"{shell.user_ns['quiet'].summary()} · for 2 × H100 (catalog)"
 
 
 def test_a_typed_strategy_is_evaluated_not_searched(shell):

@@ -170,15 +170,22 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def plan_model(model: nn.Module, name: str, *, gpus: int = 8, gpus_per_node: int | None = None, gpu: str = "H100",
+def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per_node: int | None = None,
+               gpu: str | None = None, processes: int = 2,
                memory: str | int | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
                strategy: str | None = None, offload: bool = False, top: int = 3,
                loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None) -> PlannedCell:
-    """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags). ``data``
-    (``--data``): for a model that takes no token ids, it is profiled on inputs shaped like the first batch."""
+    """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags; one given,
+    the other defaults to 8 / H100) or, with neither, for this machine (:meth:`Cluster.this_machine`: its GPUs, or
+    ``processes`` CPU processes, measured). ``data`` (``--data``): for a model that takes no token ids, it is
+    profiled on inputs shaped like the first batch."""
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn, _inputs_for(model, data), tp_plan)
-    cluster = Cluster.from_catalog(gpu, num_devices=gpus, devices_per_node=gpus_per_node)
+    if gpus is None and gpu is None and gpus_per_node is None:
+        cluster = Cluster.this_machine(processes)
+    else:
+        cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or 8, devices_per_node=gpus_per_node)
+    gpus = cluster.num_devices
     # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
     options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
     job = plan_and_compare(profile, cluster, global_batch=batch or 4 * gpus, seq_len=seq, memory=memory,

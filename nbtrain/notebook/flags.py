@@ -35,8 +35,8 @@ def check_line(args, *, local_devices) -> int | None:
     if args.output is not None and not (args.output.isidentifier() and not keyword.iskeyword(args.output)):
         raise UsageError(f"-o {args.output}: not a Python variable name; use a name such as -o plan")
     memory = _memory(args.memory)
-    if args.launch or args.export:
-        _check_scalable(args.gpus, args.processes)
+    if (args.launch or args.export) and (args.gpus is not None or args.gpu is not None):
+        _check_scalable(args.gpus or 8, args.processes)
     return memory
 
 

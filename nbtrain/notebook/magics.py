@@ -40,10 +40,12 @@ class AutoparallelMagics(Magics):
     @argument("--loss", metavar="NAME", help="a function loss(output, targets) (default: next-token cross-entropy)")
     @argument("--tp-plan", metavar="NAME", help="a tensor-parallel plan, {'blocks.*.fc1': 'colwise', ...}, for a "
                                                 "model whose config carries none")
-    @argument("--gpus", type=int, default=8, help="devices of the described cluster (default 8)")
+    @argument("--gpus", type=int, default=None, help="devices of a described cluster (default 8 with --gpu; "
+                                                    "without --gpus and --gpu the plan is for this machine)")
     @argument("--gpus-per-node", type=int, default=None, help="devices per node (default: up to 8)")
-    @argument("--gpu", default="H100", help="device type from the catalog: H100, A100-80GB, V100, L4, cpu, ... "
-                                           "(default H100)")
+    @argument("--gpu", default=None, help="device type from the catalog: H100, A100-80GB, V100, L4, cpu, ... "
+                                         "(default H100 with --gpus; without either: this machine's GPUs, or "
+                                         "--processes CPU processes)")
     @argument("--memory", default=None, help="memory budget per device: 24GiB, '24 GiB', 24g (binary units), 24GB "
                                              "(decimal), or a number of bytes (default: the device's)")
     @argument("--batch", type=int, default=None, help="global batch: sequences per step (default 4 per device)")
@@ -78,10 +80,11 @@ class AutoparallelMagics(Magics):
         """Profile the model this cell builds, plan it for a described cluster, and show the plan.
 
         The cell runs first, as any cell does. Its model (``--model NAME``, or the single ``nn.Module`` the cell
-        made) is profiled on fake tensors and planned for ``--gpus`` devices of type ``--gpu``; the plan table,
-        the comparison with the usual strategies and a one-line summary are printed (and, in a live notebook,
-        the plan explorer). ``--launch`` then trains the model here for ``--steps`` steps under the plan scaled to
-        ``--processes`` processes, with the measured step time and memory beside the predicted ones, and loads
+        made) is profiled on fake tensors and planned for this machine (its GPUs, or ``--processes`` CPU
+        processes, measured) or, with ``--gpus``/``--gpu``, for that many devices of a catalog type; the plan
+        table, the comparison with the usual strategies and a one-line summary are printed (and, in a live
+        notebook, the plan explorer). ``--launch`` then trains the model here for ``--steps`` steps under the
+        plan (scaled to ``--processes`` processes when it was made for a described cluster), with the measured step time and memory beside the predicted ones, and loads
         the trained weights back into the notebook's model.
         """
         args = _unquoted(parse_argstring(self.autoparallel, line))
@@ -122,6 +125,7 @@ class AutoparallelMagics(Magics):
         if tp_plan is not None:
             check_tensor_parallel_plan(model, tp_plan)
         job = plan_model(model, name, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                         processes=args.processes or _local_devices(),
                          memory=memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
                          strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=checked_loss,
                          data=data, tp_plan=tp_plan)
@@ -135,7 +139,7 @@ class AutoparallelMagics(Magics):
                 print("note:", note)
         if note := decimal_note(args.memory):
             print("note:", note)
-        print(plan.summary(label="evaluated" if args.strategy else "recommended"))
+        print(job.job.summary())
         if not args.quiet and not args.launch:
             self._explorer(job, args, memory)
         if args.export:
@@ -146,8 +150,8 @@ class AutoparallelMagics(Magics):
                                loss_name=args.loss)
             print(f"exported to {path}: {papermill_command(path, steps=args.steps)}")
         if args.launch:
-            print(f"\ntraining {name} here: {args.processes} processes, {args.steps} steps, the plan scaled to "
-                  f"{args.processes} devices")
+            scaled = f", the plan scaled to {args.processes} devices" if plan.num_devices != args.processes else ""
+            print(f"\ntraining {name} here: {args.processes} processes, {args.steps} steps{scaled}")
             result = train_here(model, plan, processes=args.processes, steps=args.steps, data=data,
                                 loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout,
                                 checkpoint_dir=args.resume or args.checkpoint_dir,
@@ -168,9 +172,12 @@ class AutoparallelMagics(Magics):
 
     def _explorer(self, job, args, memory) -> None:
         from nbtrain.notebook.widgets import explore
+        from nbtrain.profiler.catalog import CATALOG
 
-        explorer = explore(job.profile, num_devices=args.gpus, devices_per_node=args.gpus_per_node or min(args.gpus, 8),
-                           device=args.gpu, memory=memory, global_batch=job.plan.global_batch,
+        c = job.cluster
+        explorer = explore(job.profile, num_devices=c.num_devices, devices_per_node=c.devices_per_node,
+                           device=c.device if c.device in CATALOG else "H100", memory=memory,
+                           global_batch=job.plan.global_batch,
                            seq_len=job.plan.seq_len)
         if explorer is not None:
             display(explorer)

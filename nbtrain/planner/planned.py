@@ -40,8 +40,15 @@ class PlannedModel:
         """What every face shows, in order: the plan's table, the comparison with the baselines, the plan's notes
         and ``notes`` (one ``note: ...`` line each), then the one-line summary."""
         lines = [f"note: {note}" for note in (*self.plan.notes, *notes)]
-        return [self.plan.table(), comparison_table(self.plan, self.baselines), *lines,
-                self.plan.summary(label=self.label)]
+        return [self.plan.table(), comparison_table(self.plan, self.baselines), *lines, self.summary()]
+
+    def summary(self) -> str:
+        """The plan's one line, and which cluster it is for: ``... · for this machine: 2 × cpu (calibrated)`` or
+        ``... · for 8 × H100 (catalog)``."""
+        c = self.cluster
+        where = f"this machine: {c.num_devices} × {c.device} ({c.source})" if c.source != "catalog" else \
+            f"{c.num_devices} × {c.device} (catalog)"
+        return f"{self.plan.summary(label=self.label)} · for {where}"
 
 
 def plan_and_compare(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,

@@ -38,6 +38,29 @@ def local_memory() -> int:
         return total
 
 
+def local_gpus() -> int:
+    """GPUs visible, counted through NVML so that CUDA is not initialised in this process (a notebook that forks
+    workers later must not have it: "Cannot re-initialize CUDA in forked subprocess")."""
+    import torch
+    from accelerate.utils import is_cuda_available
+
+    return torch.cuda.device_count() if is_cuda_available() else 0
+
+
+def local_gpu_name() -> tuple[str, int] | None:
+    """The first GPU's name and memory in bytes from NVML (``pynvml``), without initialising CUDA; None when NVML
+    cannot be read from Python here."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return (name.decode() if isinstance(name, bytes) else name), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:  # no pynvml, no driver, no device: the caller falls back
+        return None
+
+
 def local_cpus() -> int:
     """Cores this process may run on (a container's CPU set, not the host's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.profiler.catalog import CATALOG, local_cpus, local_memory, lookup, match_gpu  # noqa: F401 (lookup: re-exported)
+from nbtrain.profiler.catalog import (CATALOG, local_cpus, local_gpu_name, local_gpus, local_memory,  # noqa: F401
+                                      lookup, match_gpu)  # (lookup: re-exported)
 from nbtrain.profiler.collectives import Links, cached_links
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_rate, parse_bytes
@@ -163,6 +164,31 @@ class Cluster:
         if calibrate:
             cluster = cluster.with_measurements(bench.calibrate(device, allreduce=allreduce))
         return cluster
+
+    @classmethod
+    def this_machine(cls, processes: int = 2, *, progress=print) -> Cluster:
+        """The machine a plan is made on when no cluster is described (``nbtrain plan``, ``%%autoparallel`` without
+        ``--gpus``/``--gpu``): its GPUs, counted and named through NVML so that CUDA is not initialised here (a
+        notebook forks its workers later), or else ``processes`` CPU worker processes with their compute, copy and
+        update rates and their communication measured (once per machine, then cached).
+
+            >>> here = Cluster.this_machine(2)                    # on a machine without a GPU
+            >>> here.device, here.num_devices, here.source
+            ('cpu', 2, 'calibrated')
+        """
+        gpus = local_gpus()
+        if gpus:
+            found = local_gpu_name()
+            if found is None:  # NVML not readable from Python: ask the runtime (this initialises CUDA here)
+                return cls.detect(calibrate=False)
+            name, memory = found
+            entry, by_name = match_gpu(name, memory, (9, 0))
+            cluster = cls.from_catalog(entry, num_devices=gpus, devices_per_node=gpus, device_memory=memory,
+                                       host_memory=local_memory(), source="detected")
+            return cluster if by_name else cluster.replace(device=name)
+        cluster = cls.detect(calibrate=True)
+        cluster = cluster.replace(num_devices=processes, devices_per_node=processes)
+        return cluster.with_links(processes, progress=progress) if processes > 1 else cluster
 
     def with_measurements(self, measurements) -> Cluster:
         """A copy with measured rates put in (``source="calibrated"``): ``c.with_measurements(calibrate("cpu"))``.

@@ -10,6 +10,7 @@ import socket
 import threading
 from contextlib import contextmanager, nullcontext
 
+from nbtrain.profiler.catalog import local_gpus as visible_gpus  # noqa: F401 (the launch's name)
 from nbtrain.errors import InvalidArgumentError
 
 SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
@@ -54,14 +55,6 @@ def cpu_env(cpu_only: bool):
     from accelerate.utils import patch_environment
 
     return patch_environment(ACCELERATE_USE_CPU="1") if cpu_only else nullcontext()
-
-
-def visible_gpus() -> int:
-    """GPUs visible, counted through NVML so that CUDA is not initialised in the parent (that would break fork)."""
-    import torch
-    from accelerate.utils import is_cuda_available
-
-    return torch.cuda.device_count() if is_cuda_available() else 0
 
 
 def check_limit(num_processes: int, gpus: int) -> None:
