@@ -41,10 +41,9 @@ def run(gpus: int = 8, gpu: str = "H100", memory=None, processes: int = 2, steps
         print(part, "\n")
 
     print(f"== 2. A small GPT trained here: {processes} CPU processes, {steps} steps on standard-library text ==\n")
-    local = Cluster.detect(calibrate=True)
-    if local.num_devices != processes:
+    local = Cluster.this_machine(processes)  # rates measured, communication measured once per machine and cached
+    if local.num_devices != processes:  # a GPU machine: the GPUs the launch uses
         local = local.replace(num_devices=processes, devices_per_node=processes)
-    local = local.with_links(processes)  # measured once per machine, then cached
     torch.manual_seed(0)
     model = GPT(DEMO_MODEL)
     small = timed_profile(model, batch_size=max(1, batch // processes), seq_len=seq)  # timed as a worker runs

@@ -260,7 +260,7 @@ class CostModel:
         else:  # gradients down, weights up; the device's own step, at its memory bandwidth, is not modelled
             pcie, update = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth, 0.0
         if opt.clip:
-            update += clip_seconds(self.links, c.num_devices, s, param_bytes=p * e / s.dp_shard,
+            update += clip_seconds(self.links, c.num_devices, s, param_bytes=p * s.tp * e,
                                    layers=len(self.profile.layers))
         # the update hides under backward only on cores the backward leaves free: not on a CPU whose worker
         # processes take every core

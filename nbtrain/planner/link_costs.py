@@ -65,7 +65,7 @@ def replica_seconds(links: Links, world: int, s: Strategy, *, grad_bytes: float,
 
 def clip_seconds(links: Links, world: int, s: Strategy, *, param_bytes: float, layers: int) -> float:
     """Clipping this layer's DTensor gradients (split by TP, or sharded by FSDP2) by the global norm, as the trainer
-    does, measured on a transformer block: the bytes at the measured rate, the fixed part (a reduction per group of
+    does, measured on a transformer block against its whole (unsplit) ``param_bytes``: the bytes at the measured rate, the fixed part (a reduction per group of
     like DTensors, once a step) shared out over the model's ``layers``. Plain tensors (DDP): 0 here."""
     op, group = ("tp_clip", s.tp) if s.tp > 1 else ("fsdp_clip", s.dp_shard)
     clip = links.find(op, group, world) if group > 1 else None

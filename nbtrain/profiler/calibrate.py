@@ -69,7 +69,7 @@ def _sync(device: torch.device) -> Callable[[], object]:
 
 
 @contextlib.contextmanager
-def _threads(threads: int | None):
+def intra_op_threads(threads: int | None):
     """Run with ``threads`` intra-op threads, then restore the caller's count (``None``: leave it alone)."""
     before = torch.get_num_threads()
     if threads is not None:
@@ -106,7 +106,7 @@ def matmul_rate(device: str = "cpu", dtype: torch.dtype | None = None, n: int | 
     # 2·1024³ = 2.1 GFLOP on a CPU core (~20 ms at 100 GFLOP/s).
     n = n or (8192 if dev.type == "cuda" else 1024)
     inner = 10 if dev.type == "cuda" else 1  # several kernels per timing so launch latency does not count
-    with _threads(threads):
+    with intra_op_threads(threads):
         a = torch.randn(n, n, device=dev).to(dtype)
         b = torch.randn(n, n, device=dev).to(dtype)
         out = torch.empty_like(a)
@@ -131,7 +131,7 @@ def copy_bandwidth(device: str = "cpu", nbytes: int | None = None, *, threads: i
     start = time.perf_counter()
     dev = torch.device(device)
     nbytes = nbytes or (256 if dev.type == "cuda" else 64) * 2**20
-    with _threads(threads):
+    with intra_op_threads(threads):
         if dev.type == "cuda":
             # Pinned (page-locked) memory lets the copy engine DMA directly; pageable memory goes through a
             # staging buffer at roughly half the rate, and offload always pins.
@@ -153,7 +153,7 @@ def cpu_adamw_rate(num_params: int = 4_000_000, threads: int | None = 1, *, repe
     100–200 M params; a few million parameters already show the rate within a factor of about two.
     """
     start = time.perf_counter()
-    with _threads(threads):
+    with intra_op_threads(threads):
         param = torch.nn.Parameter(torch.randn(num_params))
         param.grad = torch.randn(num_params)
         optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)

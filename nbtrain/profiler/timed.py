@@ -11,12 +11,11 @@ with one thread here too; the cost model then scales each layer's time by FLOPs 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
-import torch
 from torch import nn
 
+from nbtrain.profiler.calibrate import intra_op_threads
 from nbtrain.profiler.model import profile
 from nbtrain.profiler.result import ModelProfile
 
@@ -29,16 +28,6 @@ def structure_key(model: nn.Module) -> tuple:
             tuple((name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()))
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def timed_profile(model: nn.Module, *, batch_size: int, seq_len: int | None, inputs: Callable | None = None,
                   loss_fn: Callable | None = None, tp_plan: dict | None = None, threads: int = 1) -> ModelProfile:
     """``nbtrain.profile(model, ..., measure="cpu")`` at ``batch_size`` sequences, timed with ``threads`` intra-op
@@ -46,7 +35,7 @@ def timed_profile(model: nn.Module, *, batch_size: int, seq_len: int | None, inp
     key = (structure_key(model), batch_size, seq_len, inputs, loss_fn,
            tuple(sorted((tp_plan or {}).items())), threads)
     if key not in _CACHE:
-        with _threads(threads):
+        with intra_op_threads(threads):
             _CACHE[key] = profile(model, batch_size=batch_size, seq_len=seq_len, dtype="fp32", measure="cpu",
                                   inputs=inputs, loss_fn=loss_fn, tp_plan=tp_plan)
     return _CACHE[key]
