@@ -293,3 +293,12 @@ def test_adamw_settings_it_cannot_use_are_refused_before_launching(kwargs, messa
     kwargs = {"plan": "dp_replicate=1", **kwargs}
     with pytest.raises(InvalidArgumentError, match=__import__("re").escape(message)):
         nbtrain.fit(model, tiny_batches(512, n=1), steps=1, num_processes=1, progress=False, **kwargs)
+
+
+def test_a_cluster_that_is_not_one_is_refused_with_what_to_pass():
+    from nbtrain.errors import InvalidArgumentError
+
+    model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    batches = [(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))]
+    with pytest.raises(InvalidArgumentError, match=r"cluster must be a Cluster.*Cluster\.detect\(\)"):
+        nbtrain.fit(model, batches, plan="dp_replicate=2", steps=1, num_processes=2, cluster="here", progress=False)

@@ -56,3 +56,4 @@ def test_a_data_parallel_step_holds_within_a_quarter_of_the_predicted_memory():
     measured = max(r.tensor_bytes for r in result.records)
     assert 0.75 <= measured / result.predicted_memory_bytes <= 1.25
     assert "tensor memory at the peak" in str(result) and "resident" in str(result)
+

@@ -303,6 +303,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
         plan = plan.replace(global_batch=plan.global_batch * accumulate, microbatches=plan.microbatches * accumulate)
     predicted = predicted_memory = None
     if cluster is not None:
+        from nbtrain.profiler.hardware import Cluster
+
+        if not isinstance(cluster, Cluster):
+            raise InvalidArgumentError(f"cluster must be a Cluster, got {type(cluster).__name__} {cluster!r}; pass "
+                                       "nbtrain.Cluster.detect() for this machine, or Cluster.load(FILE)")
         if not runs_in_this_process(num_processes):  # before measuring anything for that many processes
             check_limit(num_processes, visible_gpus())
         if cluster.num_devices != num_processes and cluster.num_nodes == 1:
