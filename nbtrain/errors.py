@@ -108,3 +108,8 @@ class WorkerError(LaunchError):
 
 class LaunchTimeoutError(LaunchError, TimeoutError):
     """The workers ran past the ``timeout`` given to ``launch``; they were killed."""
+
+
+class CudaInitializedError(LaunchError):
+    """CUDA was initialised in the notebook (a model moved to a GPU, a ``torch.cuda`` call) before a launch that forks
+    its workers, which then could not use CUDA; no worker was started. The message says what holds tensors on a GPU."""

@@ -1,17 +1,21 @@
 """The launching process's side of a launch: its environment and signal handlers for the launch's duration, the
-GPUs it sees without initialising CUDA, the process limit, and a free port for the group's rendezvous."""
+launch's own temporary folder (removed after it), the check that CUDA is not initialised before forking, the GPUs
+it sees without initialising CUDA, the process limit, and a free port for the group's rendezvous."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
+import sys
+import tempfile
 import threading
 from contextlib import contextmanager, nullcontext
 
 from nbtrain.profiler.catalog import local_gpus as visible_gpus  # noqa: F401 (the launch's name)
-from nbtrain.errors import InvalidArgumentError
+from nbtrain.errors import CudaInitializedError, InvalidArgumentError
 
 SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")]
 """torch elastic's default TORCHELASTIC_SIGNALS_TO_HANDLE: it installs handlers for these in the launching process."""
@@ -47,6 +51,108 @@ def launch_env(cpu_only: bool):
         # with them would turn the next Ctrl-C into a SignalException.
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def launch_folder():
+    """A fresh folder for one launch, removed when it ends however it ends: ``(folder, user_tempdir)``.
+
+    It holds nbtrain's own files (the workers' reports, rank 0's result) and, while the launch runs, is this process's
+    temporary directory (``tempfile.tempdir``): torch elastic makes its log folder (``torchelastic_*``) there, and
+    the files a failing worker's traceback goes to (``pytorch-errorfile-*.pickle``), and removes neither; a day of
+    notebook launches left thousands in ``/tmp``. ``user_tempdir`` is the setting before, which each worker puts
+    back first, so the user's code in the workers writes its temporary files where it always does (kept)."""
+    user_tempdir = tempfile.tempdir  # None: not looked up yet (then from TMPDIR, which stays as it is)
+    folder = tempfile.mkdtemp(prefix="nbtrain-launch-")
+    elastic = os.path.join(folder, "tmp")
+    os.mkdir(elastic)
+    tempfile.tempdir = elastic
+    try:
+        yield folder, user_tempdir
+    finally:
+        tempfile.tempdir = user_tempdir
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_cuda_not_initialised(fn, args: tuple, kwargs: dict) -> None:
+    """Before forking: refuse when CUDA is initialised in this process, saying what did it.
+
+    A forked child cannot use a CUDA context its parent created: every worker would fail at its first CUDA call
+    with "Cannot re-initialize CUDA in forked subprocess", the trap users of accelerate's and Lightning's notebook
+    launchers meet most. ``torch.cuda.is_initialized()`` says whether it happened; the tensors on a GPU given to the
+    launch, held by ``fn``, or left in the notebook say what did it."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return
+    found = _on_gpu(fn, args, kwargs)
+    what = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "") if found else \
+        ("torch.cuda was initialised by something no longer in sight: a .cuda() or .to('cuda') whose tensors are "
+         "gone, or a torch.cuda call such as torch.cuda.current_device()")
+    raise CudaInitializedError(
+        f"CUDA is already initialised in this process ({what}), and workers forked from it cannot use CUDA "
+        "(\"Cannot re-initialize CUDA in forked subprocess\"); no worker was started. Restart the kernel, keep the "
+        "model on the CPU or the meta device until the launch (%%autoparallel --launch, fit, launch), and call no "
+        "torch.cuda function before it")
+
+
+def _on_gpu(fn, args: tuple, kwargs: dict) -> list[str]:
+    """What holds tensors on a GPU: the launch's arguments (one level into lists, tuples and dicts), the variables
+    ``fn`` closes over, its module's globals and the notebook's; each named once."""
+    import torch
+
+    seen: set[int] = set()
+    found = []
+
+    def look(value, name: str | None, where: str = "") -> None:
+        values = [value]
+        if name is None and isinstance(value, (list, tuple, dict)):  # a list of batches, a dict of options
+            values = list(value.values() if isinstance(value, dict) else value)[:1000]
+        for item in values:
+            device = _gpu_device(item)
+            if device is None or id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, torch.Tensor):
+                found.append(f"a tensor given to the launch is on {device}" if name is None
+                             else f"{name} (a tensor{where}) is on {device}")
+            else:
+                kind = type(item).__name__
+                found.append(f"the {kind} given to the launch has parameters on {device}" if name is None
+                             else f"{name} (a {kind}{where}) has parameters on {device}")
+
+    for value in (*args, *kwargs.values()):
+        look(value, None)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    for name, cell in zip(getattr(code, "co_freevars", ()), cells):
+        try:
+            look(cell.cell_contents, name, f" used by {getattr(fn, '__name__', 'the function')}")
+        except ValueError:  # a cell not filled yet
+            continue
+    shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
+    spaces = [(getattr(shell, "user_ns", None), " in the notebook"), (getattr(fn, "__globals__", None), None)]
+    looked: set[int] = set()
+    for space, where in spaces:
+        if not isinstance(space, dict) or id(space) in looked:
+            continue
+        looked.add(id(space))
+        for name, value in list(space.items()):
+            if not name.startswith("_") and name not in ("In", "Out"):  # IPython's own history
+                look(value, name, where or f" in {space.get('__name__', 'the module of the function')}")
+    return found
+
+
+def _gpu_device(value) -> str | None:
+    """The GPU a tensor is on, or the first GPU a module's parameters or buffers are on; None for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return str(value.device) if value.device.type == "cuda" else None
+    if isinstance(value, torch.nn.Module):
+        for tensor in (*value.parameters(), *value.buffers()):
+            if tensor.device.type == "cuda":
+                return str(tensor.device)
+    return None
 
 
 def cpu_env(cpu_only: bool):

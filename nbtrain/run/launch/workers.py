@@ -43,8 +43,8 @@ from typing import Any, Callable
 
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, LaunchError
-from nbtrain.run.launch.environment import (SIGNALS, check_limit, cpu_env, free_port, launch_env, port_is_free,
-                                             visible_gpus)
+from nbtrain.run.launch.environment import (SIGNALS, check_cuda_not_initialised, check_limit, cpu_env, free_port,
+                                             launch_env, launch_folder, port_is_free, visible_gpus)
 from nbtrain.run.launch.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
                                          worker_processes, write_exit_report, write_whole)
 
@@ -71,7 +71,9 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     past ``timeout`` each worker's stacks are dumped, the workers are killed and :class:`LaunchTimeoutError` is
     raised, saying where each rank was and which one the others waited for (``error.ranks`` holds a
     :class:`~nbtrain.run.launch.stacks.RankStack` per rank); Ctrl-C stops the workers and re-raises ``KeyboardInterrupt``.
-    In every case no worker process is left behind and the kernel lives on. ``sys.exit()``, ``sys.exit(0)`` or
+    In every case no worker process is left behind, nor any file or folder the launch made (torch elastic's logs
+    included), and the kernel lives on. Forked workers cannot use CUDA once this process has initialised it: then
+    :class:`CudaInitializedError` says what holds tensors on a GPU, before any worker is started. ``sys.exit()``, ``sys.exit(0)`` or
     ``sys.exit(None)`` in ``fn`` (a script ending in ``sys.exit(main())``) is a rank that finished, returning None;
     ``sys.exit(N)`` with N not 0 is a failure of that rank: :class:`WorkerError` names it with its exit status.
     """
@@ -91,6 +93,8 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     if dist.is_available() and dist.is_initialized():  # forked workers would inherit it and never form their own
         raise LaunchError(f"this process already has a process group (world size {dist.get_world_size()}); "
                           "call torch.distributed.destroy_process_group() first, or restart the kernel")
+    if num_processes > 1:  # forked workers start from a copy of this process, its CUDA state included
+        check_cuda_not_initialised(fn, args, kwargs)
     gpus = visible_gpus()
     check_limit(num_processes, gpus)
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
@@ -137,8 +141,9 @@ def _fork_and_run(fn, args, kwargs, num_processes, port, timeout, pg_timeout, gp
 
     before = set(multiprocessing.active_children())
     timed_out = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="nbtrain-launch-") as workdir, launch_env(gpus == 0):
-        worker = _Worker(fn, args, kwargs, num_processes, workdir, "nccl" if gpus else "gloo", pg_timeout)
+    with launch_folder() as (workdir, user_tempdir), launch_env(gpus == 0):
+        worker = _Worker(fn, args, kwargs, num_processes, workdir, "nccl" if gpus else "gloo", pg_timeout,
+                         user_tempdir)
         timer = threading.Timer(timeout, _dump_stacks_and_stop_workers, (before, timed_out, workdir)) \
             if timeout else None
         watcher = ChildWatcher(before)
@@ -199,9 +204,10 @@ def _run_launcher(worker, num_processes, port, gpus, workdir, watcher, timer, ti
 class _Worker:
     """What each worker runs: set up the process, run ``fn`` in the group, hand back its result or traceback."""
 
-    def __init__(self, fn, args, kwargs, num_processes, workdir, backend, pg_timeout):
+    def __init__(self, fn, args, kwargs, num_processes, workdir, backend, pg_timeout, user_tempdir):
         self.fn, self.args, self.kwargs, self.num_processes = fn, args, kwargs, num_processes
         self.workdir, self.backend, self.pg_timeout = Path(workdir), backend, pg_timeout
+        self.user_tempdir = user_tempdir  # the parent's tempfile.tempdir before the launch made it its own folder
         self.all_forked = multiprocessing.get_context("fork").Barrier(num_processes)
         self.stdout = sys.stdout  # the cell's own stream (ipykernel forwards a forked child's writes to it)
         # elastic names the run (and its error reports) after the entrypoint's __name__/__qualname__
@@ -211,6 +217,8 @@ class _Worker:
         import torch
 
         rank = int(os.environ["RANK"])
+        # The user's code writes its temporary files where it always does, not in the launch's folder (removed).
+        tempfile.tempdir = self.user_tempdir
         # The parent sends SIGUSR1 to a launch past its timeout. faulthandler writes the stacks from its C signal
         # handler, so a rank blocked inside gloo (which never returns to the interpreter) answers too.
         # The file gets its name once the handler is there: the parent signals only workers with one.
