@@ -9,14 +9,21 @@ with checkpoints is interrupted (rank 0 sends this process SIGINT, as a notebook
 resumes it. Each error is kept until the next one, as a notebook keeps the last (an error that held the launch's
 port would show as a listening socket). After each, from ``/proc``: this
 process's live children, its open file descriptors, the TCP sockets of this machine in LISTEN state (a rendezvous
-port left open would stay there), and this process's resident memory. Passes when no child, descriptor or
-listening socket is left beyond what there was after the first launch, and the resident memory grew by less than
-``NOISE_MIB`` between the first tenth and the end (allocator pools warm up on the first launches).
+port left open would stay there), and this process's resident memory; and the entries in the temporary directory
+(torch elastic's ``torchelastic_*`` log folders and failed workers' ``pytorch-errorfile-*.pickle`` were left there by
+every launch). The soak runs with a temporary directory of its own (``TMPDIR`` and ``tempfile.tempdir``, which the
+workers inherit), empty at the start, so that other programs' files in ``/tmp`` are not counted; torch's compile
+cache ``torchinductor_<user>``, which ``import torch._dynamo`` makes there once (with or without a launch) and every
+later process reuses, is shown apart (``TORCH_CACHES``), not counted as left behind. Passes when no
+child, descriptor or listening socket is left beyond what there was after the first launch, no entry is left in the
+temporary directory, and the resident memory grew by less than ``NOISE_MIB`` between the first tenth and the end
+(allocator pools warm up on the first launches).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -30,6 +37,8 @@ from nbtrain.errors import WorkerError
 from nbtrain.run.launch.workers import launch
 
 NOISE_MIB = 16
+TORCH_CACHES = ("torchinductor_",)
+"""Entries torch keeps in the temporary directory on purpose: made once per user, reused by every process."""
 
 
 def children() -> int:
@@ -65,6 +74,11 @@ def rss_mib() -> float:
     return kb / 1024
 
 
+def temporary_entries() -> list[str]:
+    """What is in the temporary directory (the soak's own, empty at the start), torch's caches aside."""
+    return sorted(name for name in os.listdir(tempfile.gettempdir()) if not name.startswith(TORCH_CACHES))
+
+
 def failing_worker():
     raise RuntimeError("a worker that fails on purpose")
 
@@ -82,13 +96,29 @@ def with_fault(data, fault: str):
 
 
 def main(launches: int = 50) -> int:
+    checkpoints = tempfile.TemporaryDirectory(prefix="nbtrain-soak-")  # in the usual one: not counted
+    scratch = tempfile.mkdtemp(prefix="nbtrain-soak-tmp-")
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = scratch
+    try:
+        return soak(launches, checkpoints.name)
+    finally:
+        tempfile.tempdir = saved[0]
+        if saved[1] is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved[1]
+        checkpoints.cleanup()
+        shutil.rmtree(scratch, ignore_errors=True)  # listed above if anything was left
+
+
+def soak(launches: int, checkpoints: str) -> int:
     torch.manual_seed(0)
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 512, (4, 16), generator=g) for _ in range(2)]
     data = [(x, torch.roll(x, -1, 1)) for x in ids]
     rows, failures, kept = [], 0, None
-    checkpoints = tempfile.TemporaryDirectory(prefix="nbtrain-soak-")
     run = dict(plan="dp_replicate=2", num_processes=2, progress=False, timeout=120)
     started = time.perf_counter()
     for i in range(launches):
@@ -98,31 +128,36 @@ def main(launches: int = 50) -> int:
             elif i % 10 == 3:
                 nbtrain.fit(model, with_fault(data, "kill"), steps=4, **run)
             elif i % 10 == 5:
-                folder = os.path.join(checkpoints.name, str(i))
+                folder = os.path.join(checkpoints, str(i))
                 nbtrain.fit(model, with_fault(data, "interrupt"), steps=6, checkpoint_dir=folder, checkpoint_every=1,
                             **run)
             elif i % 10 == 6:  # resumes the interrupted one
-                nbtrain.fit(model, data, steps=6, checkpoint_dir=os.path.join(checkpoints.name, str(i - 1)),
+                nbtrain.fit(model, data, steps=6, checkpoint_dir=os.path.join(checkpoints, str(i - 1)),
                             resume=True, **run)
             else:
                 nbtrain.fit(model, data, steps=2, **run)
         except (WorkerError, KeyboardInterrupt) as error:
             failures, kept = failures + 1, error
-        rows.append((i + 1, children(), open_fds(), listening_sockets(), rss_mib()))
+        rows.append((i + 1, children(), open_fds(), listening_sockets(), rss_mib(), len(temporary_entries())))
     seconds = time.perf_counter() - started
-    print(f"{'launch':>6} {'children':>8} {'fds':>5} {'listen':>6} {'rss MiB':>8}")
+    print(f"{'launch':>6} {'children':>8} {'fds':>5} {'listen':>6} {'rss MiB':>8} {'tmp':>4}")
     for row in rows[:3] + rows[9::10]:
-        print(f"{row[0]:>6} {row[1]:>8} {row[2]:>5} {row[3]:>6} {row[4]:>8.1f}")
+        print(f"{row[0]:>6} {row[1]:>8} {row[2]:>5} {row[3]:>6} {row[4]:>8.1f} {row[5]:>4}")
     first, last = rows[0], rows[-1]
     warm = rows[max(0, launches // 10 - 1)]
     grew = last[4] - warm[4]
     leaks = {"children": last[1] - first[1], "fds": last[2] - first[2], "listening sockets": last[3] - first[3]}
-    checkpoints.cleanup()
+    left = temporary_entries()
+    caches = sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(TORCH_CACHES))
     print(f"last error kept: {type(kept).__name__}: {str(kept)[:100]}")
     print(f"\n{launches} launches ({failures} failing on purpose) in {seconds:.0f} s, {seconds / launches:.2f} s each; "
           f"left behind since the first: " + ", ".join(f"{k} {v:+d}" for k, v in leaks.items())
-          + f"; resident memory {warm[4]:.1f} → {last[4]:.1f} MiB ({grew:+.1f}) after launch {warm[0]}")
-    ok = all(v <= 0 for v in leaks.values()) and last[1] == 0 and grew < NOISE_MIB
+          + f"; resident memory {warm[4]:.1f} → {last[4]:.1f} MiB ({grew:+.1f}) after launch {warm[0]}; "
+          f"left on disk (the temporary directory): {len(left)} entries" + (f": {', '.join(left[:10])}"
+                                                                             f"{' …' if len(left) > 10 else ''}"
+                                                                             if left else "")
+          + (f" (torch's own cache, kept on purpose: {', '.join(caches)})" if caches else ""))
+    ok = all(v <= 0 for v in leaks.values()) and last[1] == 0 and grew < NOISE_MIB and not left
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
