@@ -173,10 +173,10 @@ def test_a_forked_launch_after_cuda_was_initialised_is_refused_before_any_worker
     with pytest.raises(CudaInitializedError) as caught:
         launch(noop, num_processes=2, timeout=LIMIT)
     assert isinstance(caught.value, LaunchError) and forked == []
-    assert str(caught.value).startswith("CUDA is already initialised in this process (torch.cuda was initialised by "
-                                        "something no longer in sight: a .cuda() or .to('cuda') whose tensors are "
-                                        "gone, or a torch.cuda call such as torch.cuda.current_device()), and "
-                                        "workers forked from it cannot use CUDA")
+    assert str(caught.value).startswith("CUDA is already initialised in this process: torch.cuda was initialised by "
+                                        "something no longer in sight (a .cuda() or .to('cuda') whose tensors are "
+                                        "gone, or a torch.cuda call such as torch.cuda.current_device()). Workers "
+                                        "forked from it cannot use CUDA")
     assert "Restart the kernel, keep the model on the CPU or the meta device until the launch" in str(caught.value)
 
 
@@ -194,15 +194,15 @@ def test_the_message_names_what_holds_tensors_on_a_gpu(monkeypatch):
     batches = [(on_fake_gpu(torch.nn.Linear(2, 2)).weight, None)]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(launch_module, "_fork_and_run", lambda *args: pytest.fail("forked"))
-    with pytest.raises(CudaInitializedError, match=r"\(the Linear given to the launch has parameters on cuda:0\)"):
+    with pytest.raises(CudaInitializedError, match=r": the Linear given to the launch has parameters on cuda:0\. "):
         launch(lambda m: None, model, num_processes=2)
-    with pytest.raises(CudaInitializedError, match=r"\(a tensor given to the launch is on cuda:0\)"):
+    with pytest.raises(CudaInitializedError, match=r": a tensor given to the launch is on cuda:0\. "):
         launch(lambda data: None, data=batches[0], num_processes=2)
 
     def train():
         return model(torch.ones(2))
 
-    with pytest.raises(CudaInitializedError, match=r"\(model \(a Linear used by train\) has parameters on cuda:0\)"):
+    with pytest.raises(CudaInitializedError, match=r": model \(a Linear used by train\) has parameters on cuda:0\. "):
         launch(train, num_processes=2)
 
 
@@ -236,5 +236,5 @@ def test_on_a_gpu_a_model_moved_to_it_before_the_launch_is_named():
     proc = subprocess.run(["timeout", "-k", "5", str(LIMIT), sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=LIMIT + 10)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("CudaInitializedError: CUDA is already initialised in this process (the Linear "
-                                  "given to the launch has parameters on cuda:0)"), proc.stdout
+    assert proc.stdout.startswith("CudaInitializedError: CUDA is already initialised in this process: the Linear "
+                                  "given to the launch has parameters on cuda:0. "), proc.stdout

@@ -87,13 +87,13 @@ def check_cuda_not_initialised(fn, args: tuple, kwargs: dict) -> None:
         return
     found = _on_gpu(fn, args, kwargs)
     what = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "") if found else \
-        ("torch.cuda was initialised by something no longer in sight: a .cuda() or .to('cuda') whose tensors are "
-         "gone, or a torch.cuda call such as torch.cuda.current_device()")
+        ("torch.cuda was initialised by something no longer in sight (a .cuda() or .to('cuda') whose tensors are "
+         "gone, or a torch.cuda call such as torch.cuda.current_device())")
     raise CudaInitializedError(
-        f"CUDA is already initialised in this process ({what}), and workers forked from it cannot use CUDA "
-        "(\"Cannot re-initialize CUDA in forked subprocess\"); no worker was started. Restart the kernel, keep the "
-        "model on the CPU or the meta device until the launch (%%autoparallel --launch, fit, launch), and call no "
-        "torch.cuda function before it")
+        f"CUDA is already initialised in this process: {what}. Workers forked from it cannot use CUDA (\"Cannot "
+        "re-initialize CUDA in forked subprocess\"), so none was started. Restart the kernel, keep the model on the "
+        "CPU or the meta device until the launch (%%autoparallel --launch, fit, launch), and call no torch.cuda "
+        "function before it")
 
 
 def _on_gpu(fn, args: tuple, kwargs: dict) -> list[str]:
@@ -109,7 +109,10 @@ def _on_gpu(fn, args: tuple, kwargs: dict) -> list[str]:
         if name is None and isinstance(value, (list, tuple, dict)):  # a list of batches, a dict of options
             values = list(value.values() if isinstance(value, dict) else value)[:1000]
         for item in values:
-            device = _gpu_device(item)
+            try:
+                device = _gpu_device(item)
+            except Exception:  # an odd object in the notebook (a lazy proxy): it does not stop the message
+                device = None
             if device is None or id(item) in seen:
                 continue
             seen.add(id(item))

@@ -73,9 +73,10 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     :class:`~nbtrain.run.launch.stacks.RankStack` per rank); Ctrl-C stops the workers and re-raises ``KeyboardInterrupt``.
     In every case no worker process is left behind, nor any file or folder the launch made (torch elastic's logs
     included), and the kernel lives on. Forked workers cannot use CUDA once this process has initialised it: then
-    :class:`CudaInitializedError` says what holds tensors on a GPU, before any worker is started. ``sys.exit()``, ``sys.exit(0)`` or
-    ``sys.exit(None)`` in ``fn`` (a script ending in ``sys.exit(main())``) is a rank that finished, returning None;
-    ``sys.exit(N)`` with N not 0 is a failure of that rank: :class:`WorkerError` names it with its exit status.
+    :class:`CudaInitializedError` says what holds tensors on a GPU, before any worker is started. ``sys.exit()``,
+    ``sys.exit(0)`` or ``sys.exit(None)`` in ``fn`` (a script ending in ``sys.exit(main())``) is a rank that finished,
+    returning None; ``sys.exit(N)`` with N not 0 is a failure of that rank: :class:`WorkerError` names it with its
+    exit status.
     """
     if not callable(fn):
         raise InvalidArgumentError(f"launch needs a function to run, got {type(fn).__name__}: launch(train, ...)")
