@@ -377,6 +377,22 @@ def _(e):
     return f"{type(result.error_in_exec).__name__}: {result.error_in_exec}"
 
 
+def gpu_model_in_the_notebook(e) -> None:
+    """The notebook after ``net = nbtrain.GPT(config).cuda()``, simulated without a GPU: ``net``'s parameters fake
+    tensors that say cuda:0, and CUDA said to be initialised (after: a fake tensor asks CUDA for its device then)."""
+    from tests.test_launch_cleanup import on_fake_gpu
+
+    e.monkeypatch.setitem(e.shell.user_ns, "net", on_fake_gpu(tiny_gpt()))  # removed again after the test
+    e.monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+
+
+@case("CUDA initialised in the notebook before a launch (a model moved to a GPU, a `torch.cuda` call)", "Python",
+      NO_GPU)
+def _(e):
+    gpu_model_in_the_notebook(e)
+    return e.raised(_launch, _raises_on_rank_1)  # refused before any worker is forked
+
+
 case("a worker killed (out of memory, `kill -9`)", "CLI", pytest.mark.slow, NO_GPU)(
     lambda e: e.cli("run", "killed.py", "--processes", "2"))
 case("a rank that calls `sys.exit(N)`", "CLI", pytest.mark.slow, NO_GPU)(
@@ -624,6 +640,8 @@ also("more processes than this machine allows", "magic", NO_GPU)(
 also("more processes than this machine allows", "Python", NO_GPU)(
     lambda e: _cpus(e) or e.raised(fit, tiny_gpt(), tiny_batches(1, rows=64), plan="dp_shard=64", steps=1,
                                    num_processes=64))
+also("CUDA initialised in the notebook before a launch (a model moved to a GPU, a `torch.cuda` call)", "magic", NO_GPU)(
+    lambda e: gpu_model_in_the_notebook(e) or e.magic("--gpus 2 -q --launch --processes 2"))
 also("a worker that raises", "Python", pytest.mark.slow, NO_GPU)(lambda e: e.raised(_launch, _raises_on_rank_1))
 also("a worker killed (out of memory, `kill -9`)", "Python", pytest.mark.slow, NO_GPU)(
     lambda e: e.raised(_launch, _killed_on_rank_1))
