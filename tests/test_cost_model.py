@@ -104,19 +104,34 @@ def test_hsdp_shards_over_dp_shard_only_and_replicates_over_dp_replicate():
         Memory(params=4_000_000, grads=4_000_000, optimizer=24_000_000, activations=200_000))
 
 
-def test_tensor_parallel_divides_parameters_gradients_optimizer_and_activations_by_tp():
+def test_tensor_parallel_divides_parameters_gradients_and_optimizer_state_by_tp():
     cost = cost_model().layer(1, S(dp_replicate=2, tp=4), microbatches=1)
-    # dp = 2: b = 8 sequences, 800 tokens: saved 1000·800 / tp 4. Model states 16 bytes · P / 4, unsharded.
+    # Model states 16 bytes · P / 4, unsharded. Of the toy block's 1000 saved bytes/token, its norms' inputs and
+    # outputs are four hidden states of 200 bytes: without sequence parallelism every TP rank holds those whole,
+    # and a quarter of the other 200. dp = 2: b = 8 sequences, 800 tokens · (800 + 200 / 4).
     assert dataclasses.asdict(cost.memory) == same_memory(
-        Memory(params=4_000_000, grads=4_000_000, optimizer=24_000_000, activations=200_000))
+        Memory(params=4_000_000, grads=4_000_000, optimizer=24_000_000, activations=850 * 800))
     assert cost.transient == 0
+
+
+def test_tensor_parallel_splits_what_the_heads_and_the_mlp_compute_and_keeps_the_hidden_states_whole():
+    # a block saving Korthikanti's 34·sbh bytes (h = 100, 2-byte values: 3400 bytes/token) of which its norms'
+    # inputs and outputs, 8·sbh (800), are whole on every rank without sequence parallelism (Korthikanti's 10·sbh
+    # adds two dropout masks); under tp = 4: (8 + 26/4)·sbh = 1450 bytes/token
+    prof = profile([layer("embed", "embedding", params=P_EMBED, act=16, out=200, fwd=1_000),
+                    layer("blocks.0", "block", params=P_BLOCK, act=3_400, out=200, fwd=10_000_000),
+                    layer("head", "head", params=P_HEAD, act=500, out=4_000, fwd=2_000_000)],
+                   seq_len=100, dtype="bfloat16")
+    cost = cost_model(prof=prof).layer(1, S(dp_replicate=2, tp=4), microbatches=1)
+    assert cost.memory.activations == pytest.approx(1_450 * 800, rel=EXACT)  # b = 8 sequences, 800 tokens
 
 
 def test_tensor_parallel_and_zero3_divide_together():
     cost = cost_model().layer(1, S(dp_shard=2, tp=4), microbatches=1)
     # P / tp = 2M params per TP rank, / dp_shard 2: 2·1M + 2·1M + 12·1M. Transient: gathered 2·2M + grads 2·2M.
+    # Activations of b = 8 sequences: the toy block's 800 B/token of hidden states whole, 200 / 4 (above).
     assert dataclasses.asdict(cost.memory) == same_memory(
-        Memory(params=2_000_000, grads=2_000_000, optimizer=12_000_000, activations=200_000))
+        Memory(params=2_000_000, grads=2_000_000, optimizer=12_000_000, activations=850 * 800))
     assert cost.transient == pytest.approx(8_000_000, rel=EXACT)
 
 
@@ -138,11 +153,12 @@ def test_checkpointing_the_embedding_keeps_its_int64_token_ids():
     assert cost.transient == pytest.approx(16 * 200, rel=EXACT)
 
 
-def test_checkpointing_under_tensor_parallel_keeps_the_sequence_parallel_shard_of_the_input():
+def test_checkpointing_under_tensor_parallel_keeps_the_whole_input_on_every_rank():
     cost = cost_model().layer(2, S(dp_replicate=4, tp=2, ac=True), microbatches=1)
-    # dp = 4: b = 4 (400 tokens); input = block 0's output 200 · 400, sharded over tp 2; transient 1000·400/2
-    assert cost.memory.activations == pytest.approx(40_000, rel=EXACT)
-    assert cost.transient == pytest.approx(200_000, rel=EXACT)
+    # dp = 4: b = 4 (400 tokens); input = block 0's output 200 · 400, whole on each TP rank (no sequence
+    # parallelism); transient: the block recomputed, its four hidden states whole, the rest halved: 900 · 400
+    assert cost.memory.activations == pytest.approx(80_000, rel=EXACT)
+    assert cost.transient == pytest.approx(360_000, rel=EXACT)
 
 
 def test_a_batch_independent_activation_term_is_counted_once_per_micro_batch():

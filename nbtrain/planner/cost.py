@@ -13,8 +13,10 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   copy and two Adam moments (12 bytes/param; 8 when the compute dtype is fp32). TP divides all of them by ``tp``
   (Shoeybi et al. 2019); ZeRO-2 shards gradients and optimizer state over ``dp_shard``, ZeRO-3 parameters too.
   The offloaded fraction of the optimizer state lives in host memory.
-* **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch, divided by ``tp``
-  (sequence parallelism shards even the norms' inputs); with checkpointing only the layer's input is kept.
+* **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch; tensor parallelism without
+  sequence parallelism (what the executor runs) divides them by ``tp`` except the hidden-sized tensors every rank
+  holds whole (a block's norms' inputs and outputs: four hidden states); with checkpointing only the layer's input
+  is kept, whole.
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
@@ -27,8 +29,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
   the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
   profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016).
-* **TP**: Megatron-SP issues 2 all-gathers and 2 reduce-scatters of the hidden state per block in forward and
-  again in backward (Korthikanti et al. 2022, §4.2.2); embeddings and head one each way. Ring cost
+* **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; the
+  same bytes as Megatron-SP's all-gathers and reduce-scatters, Korthikanti et al. 2022 §4.2.2); embeddings and
+  head one each way; measured on this machine's executor where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
   ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005). Not overlapped.
 * **ZeRO-3** gathers each layer's parameters in forward and again in backward, every micro-batch; prefetching
   hides them under that layer's compute, so only the excess shows.
@@ -183,9 +186,9 @@ class CostModel:
         params = p * e / (shard if s.zero == 3 else 1)
         grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
-        full_act = self._eval(index, "activation_bytes", b) / s.tp
-        if s.ac:  # keep only the layer's input (token ids for the first layer)
-            act = (self._hidden(index, b) if index > 0 else 8 * b * self.seq_len) / s.tp
+        full_act = self._tp_activations(index, s, b)
+        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank
+            act = self._hidden(index, b) if index > 0 else 8 * b * self.seq_len
         else:
             act = full_act
         transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
@@ -209,6 +212,19 @@ class CostModel:
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
+
+    def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
+        """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism as the executor
+        runs it (DTensor colwise/rowwise pairs, no sequence parallelism) splits what the heads and the MLP's inner
+        width compute; the hidden-sized tensors around them are whole on every rank: a block's two norms' inputs
+        and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh counts two dropout masks besides), a
+        head's input."""
+        full = self._eval(index, "activation_bytes", b)
+        if s.tp == 1:
+            return full
+        kept = (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b)
+        whole = min(full, kept)
+        return whole + (full - whole) / s.tp
 
     def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
         """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time

@@ -57,7 +57,8 @@ class Strategy:
     parameters gathered between forward and backward (FSDP ``reshard_after_forward=False``); 3 also reshards the
     parameters after forward (one more all-gather in backward, less memory). Normalised to 3 when ``dp_shard == 1``."""
     tp: int = 1
-    """Tensor-parallel degree, Megatron-style with sequence parallelism; it stays inside a node."""
+    """Tensor-parallel degree, Megatron-style (column- then row-parallel pairs, no sequence parallelism); it stays
+    inside a node."""
     ac: bool = False
     """Activation checkpointing: keep only the layer input and recompute the rest in backward."""
     offload: float = 0.0
