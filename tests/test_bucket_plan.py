@@ -148,15 +148,20 @@ def test_merged_rows_pack_the_shorter_rows_into_rows_of_the_longer_bound_rounded
 # --- what it chooses, and why -----------------------------------------------------------------------------------
 
 def test_short_buckets_get_data_parallelism_while_the_long_ones_rows_force_tp_and_memory_checkpointing():
-    hot = plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=60e6, options=options())
+    # blocks saving 17000 B/token (Korthikanti's 34·sbh for 2-byte values and a 1000 B/token hidden state), of which
+    # the norms' inputs and outputs (four hidden states, 4000 B) are whole on every TP rank and the rest split by tp
+    hot = plan_buckets(blocks(act=17_000), cluster(8), [(1024, 16), (16384, 2)], memory=200e6, options=options())
     short, long = hot.buckets
-    # long: 2 rows give dp ≤ 2, so tp ≥ 4 on 8 devices; its activations, 32768 tokens · 4 blocks · 4000 B over 8
-    # devices = 65.5 MB (whatever the layout), exceed the 60 MB budget: checkpointing
+    # long: one row of 16384 tokens per data-parallel group at the least. Without checkpointing, under tp=4:
+    # 4 blocks · 16384 · (4000 + 13000 / 4) B = 475 MB, over the 200 MB budget. Checkpointed, under tp=2 the block
+    # recomputed in backward holds 16384 · (4000 + 6500) B = 172 MB beside 3 kept inputs of 16.4 MB: over it; under
+    # tp=4, 119 MB + 49 MB + ~9 MB of model states fit: tp ≥ 4 and checkpointing
     assert long.strategy.tp >= 4 and long.strategy.ac
     # short: under tp=2 (dp=4, 4 rows of 1024 tokens each) its TP collectives alone take 4 per block per pass ·
     # 2 passes · 4 blocks · ½ · 4.1 MB / 1 GB/s = 65.5 ms, more than its whole pass under dp=8 (3 · 1.1 MFLOP ·
     # 2048 tokens · 4 blocks / 1 TFLOP/s = 27 ms, collectives hidden) plus both switches (≤ 1 MB + 4 MB: 5 ms);
-    # its activations (32.8 MB) fit beside the home's states (≤ 16 MB) and its own sharded copy without ac
+    # a device's 2 rows (2048 tokens · 4 blocks · 17000 B = 139 MB) fit beside the home's states (~9 MB) and its own
+    # sharded copy without ac
     assert (short.strategy.dp, short.strategy.tp, short.strategy.ac) == (8, 1, False)
     assert [s.what for s in hot.switches] == ["weights", "gradients"]
     assert hot.speedup > 1
@@ -177,17 +182,20 @@ def test_a_bucket_away_from_home_holds_the_home_states_beside_its_own_weights_gr
     # its activations: 16 rows / 4 ranks · 256 tokens · 1000 B · 4 blocks = 4.096 MB;
     # the transient of a block's backward under ZeRO-3: gathered weights 2P + unsharded gradients 2P = 4 MB
     assert short.memory.total == pytest.approx(16e6 + 4e6 + 4.096e6 + 4e6, rel=EXACT)
-    # the long bucket at home: 16 MB + 2 rows / 2 · 1024 tokens · 1000 B · 4 blocks / tp 2 + transient (2P + 2P)/2
-    assert long.memory.total == pytest.approx(16e6 + 2.048e6 + 2e6, rel=EXACT)
+    # the long bucket at home: 16 MB + 2 rows / 2 · 1024 tokens · 1000 B · 4 blocks (these toy blocks' activations are
+    # hidden states, 1000 B per token: whole on each TP rank without sequence parallelism) + transient (2P + 2P)/2
+    assert long.memory.total == pytest.approx(16e6 + 4.096e6 + 2e6, rel=EXACT)
 
 
 @pytest.mark.parametrize("inter_node, attn", [(100e9, 3000), (0.1e9, 100)])
 def test_a_short_bucket_is_merged_into_the_long_one_only_when_keeping_it_apart_costs_more_than_it_saves(
         inter_node, attn):
-    # 4 devices in 2 nodes, 2 heads: tp ≤ 2; the memory (30 MB) forces ZeRO-3 at home (replicated states alone,
-    # 16 B · 4M / tp 2 = 32 MB, do not fit). Merged, the buckets are 6 rows of 1024 tokens.
+    # 4 devices in 2 nodes, 2 heads: tp ≤ 2; the memory (31 MB) forces ZeRO-3 at home (replicated states alone,
+    # 16 B · 4M / tp 2 = 32 MB, do not fit). Merged, the buckets are 6 rows of 1024 tokens; under dp_shard=2 tp=2 a
+    # device's 3 rows hold 3 · 1024 · 1000 B · 4 blocks = 12.3 MB (the toy's activations are hidden states, whole on
+    # each TP rank) beside 16 MB of states and a 2 MB transient: 30.3 MB, in one micro-batch
     hot = plan_buckets(blocks(act=1000, n_head=2, attn=attn), cluster(4, 2, inter_node_bandwidth=inter_node),
-                       [(256, 16), (1024, 2)], memory=30e6, options=options(allow_ac=False, zero_levels=(3,)))
+                       [(256, 16), (1024, 2)], memory=31e6, options=options(allow_ac=False, zero_levels=(3,)))
     if inter_node == 100e9:
         # The long bucket's rows attend enough (attn 3000) that it runs dp_shard=2 × tp=2 at home: 41.4 ms against
         # 50 ms with its 2 rows padded to 4 under dp_shard=4 (the test above). Apart, the short bucket escapes TP:
@@ -213,7 +221,7 @@ def test_a_short_bucket_is_merged_into_the_long_one_only_when_keeping_it_apart_c
         assert hot.static.bounds == (1024,) and hot.speedup == pytest.approx(1, rel=EXACT)
 
 
-@pytest.mark.parametrize("budget", [40e6, 50e6, 60e6, 100e6, 1e9])
+@pytest.mark.parametrize("budget", [130e6, 150e6, 200e6, 300e6, 1e9])  # the least it needs: 122.8 MB (below)
 def test_no_bucket_ever_exceeds_the_memory_budget(budget):
     hot = plan_buckets(blocks(), cluster(8), [(1024, 16), (4096, 4), (16384, 2)], memory=budget, options=options())
     assert all(b.memory.total <= budget for b in hot.buckets)
@@ -234,16 +242,17 @@ def test_more_than_six_buckets_are_merged_greedily_first_and_never_end_slower_th
 
 def test_a_tied_embedding_rules_out_tensor_parallelism_so_two_long_rows_are_padded_to_one_per_device_on_8():
     buckets = [(1024, 16), (16384, 2)]
-    untied = plan_buckets(blocks(), cluster(8), buckets, memory=60e6, options=options())
-    # 60 MB: 32768 tokens · 4 blocks · 4000 B over 8 devices = 65.5 MB of activations, whatever the split; padded to
-    # 8 rows under dp=8 it is 4× that. Splitting each row over tp with checkpointing fits.
+    untied = plan_buckets(blocks(act=17_000), cluster(8), buckets, memory=200e6, options=options())
+    # 200 MB: a row of 16384 tokens under dp, checkpointed, recomputes one block of 16384 · 17000 B = 278.5 MB in
+    # backward, whatever the data-parallel split. TP splits all but its four hidden states: under tp=4 the
+    # recomputed block holds 16384 · (4000 + 13000 / 4) B = 119 MB, beside 3 kept inputs of 16.4 MB: it fits.
     assert untied.buckets[-1].strategy.tp >= 4
     # the tied weight stays unsplit by TP (the planner's rule), so every layout is dp = 8 and each device runs one
-    # whole row of 16384 tokens (the 2 rows padded to 8): even checkpointed it keeps the 4 blocks' inputs, 4 · 1000
-    # B per token · 16384 tokens = 65.5 MB, over 60 MB
+    # whole row of 16384 tokens (the 2 rows padded to 8): even checkpointed, the 278.5 MB of the block it recomputes
+    # exceed the budget
     with pytest.raises(NoFeasiblePlanError, match=r"2 rows of 16384 tokens\) needs .* under its leanest strategy "
                                                   r"'dp_shard=8 .*\(tensor parallelism is ruled out: a tied embed"):
-        plan_buckets(blocks(tied=True), cluster(8), buckets, memory=60e6, options=options())
+        plan_buckets(blocks(act=17_000, tied=True), cluster(8), buckets, memory=200e6, options=options())
     # with the device's memory it runs, dp = 8 for every bucket; one row per device costs the same whether 2 or 8
     # rows came, but the tokens are the bucket's own
     tied = [plan_buckets(blocks(tied=True), cluster(8), [(1024, 16), (16384, rows)], options=options(merge=False))
@@ -278,28 +287,42 @@ def brute_force(prof, c, given, budget, opts) -> float:
             pred = {}
             for s in space:  # the bucket padded with empty rows to a multiple of dp, priced as full ones
                 padded = math.ceil(rows / s.dp) * s.dp
-                model = CostModel(prof, c, global_batch=padded, seq_len=bound, budget_bytes=budget,
-                                  options=opts.cost)
-                pred[s] = model.estimate(Plan(num_devices=c.num_devices, layers=(s,) * len(prof.layers),
-                                              global_batch=padded, seq_len=bound))
+                # all the rows at once, or micro-batches of 1, 2, 4, ... rows, each rank's rows padded to whole ones
+                per_rank = padded // s.dp
+                pred[s] = []
+                for r in sorted({per_rank} | {r for r in (1, 2, 4, 8, 16, 32, 64) if r < per_rank}):
+                    m = math.ceil(per_rank / r)
+                    model = CostModel(prof, c, global_batch=s.dp * m * r, seq_len=bound, budget_bytes=budget,
+                                      options=opts.cost)
+                    pred[s].append(model.estimate(Plan(num_devices=c.num_devices, layers=(s,) * len(prof.layers),
+                                                       global_batch=s.dp * m * r, seq_len=bound, microbatches=m)))
             preds.append(pred)
         for chosen in itertools.product(space, repeat=len(buckets)):
             home = chosen[-1]
             if any(s not in p for s, p in zip(chosen, preds)):
                 continue
-            states = preds[-1][home].stages[0].memory
-            step = preds[-1][home].time.update
+            states = preds[-1][home][0].stages[0].memory  # model states do not depend on the micro-batches
+            step = preds[-1][home][0].time.update
+            layouts = [dataclasses.replace(s, ac=False) for s in chosen]  # checkpointing is toggled in one model
             for k, (s, p) in enumerate(zip(chosen, preds)):
-                m, t = p[s].stages[0].memory, p[s].time
-                away = states.params + states.grads + states.optimizer + m.params + m.grads + m.activations + \
-                    m.transient + m.reserve
-                if (m.total if s == home else away) > budget:
+                def need(x):
+                    m = x.stages[0].memory
+                    return m.total if layouts[k] == layouts[-1] else (
+                        states.params + states.grads + states.optimizer + m.params + m.grads + m.activations
+                        + m.transient + m.reserve)
+                fitting = [x for x in p[s] if need(x) <= budget]
+                if not fitting:
                     break
+                t = min(fitting, key=lambda x: x.time.compute + x.time.tp_comm + x.time.zero3_comm
+                        + x.time.dp_comm).time  # the fastest micro-batches that fit, counting the sync
                 step += t.compute + t.tp_comm + t.zero3_comm
-                if k == max(i for i, x in enumerate(chosen) if x == s):  # one sync per strategy, after its last
+                if k == max(i for i, x in enumerate(layouts) if x == layouts[k]):  # one sync per layout, at its end
                     step += t.dp_comm
             else:
-                for s in set(chosen) - {home}:
+                for s in {x for x, lay in zip(chosen, layouts) if lay != layouts[-1]}:
+                    if any(x != s and dataclasses.replace(x, ac=False) == dataclasses.replace(s, ac=False)
+                           for x in chosen[:chosen.index(s)]):
+                        continue  # its layout's switches are counted already
                     step += switch_cost("weights", home, s, params=params, bytes_per_param=prof.dtype_bytes,
                                         cluster=c).seconds
                     step += switch_cost("gradients", s, home, params=params, bytes_per_param=4, cluster=c).seconds
@@ -329,7 +352,7 @@ def test_the_search_finds_the_step_time_of_trying_every_merging_and_every_strate
 # --- how it shows itself, and its errors ------------------------------------------------------------------------
 
 def test_the_table_has_one_row_per_bucket_the_switches_the_static_plan_and_the_speedup():
-    hot = plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=60e6, options=options())
+    hot = plan_buckets(blocks(act=17_000), cluster(8), [(1024, 16), (16384, 2)], memory=200e6, options=options())
     text = str(hot)
     assert len(hot.table().rows) == 2
     assert "(0, 1K]" in text and "(1K, 16K]" in text and "16,384" in text and "(home)" in text
@@ -357,10 +380,11 @@ def test_buckets_it_cannot_read_are_refused_with_what_to_do(buckets, message):
 
 def test_when_nothing_fits_the_error_says_what_the_longest_bucket_needs_at_the_least():
     # The leanest layout of 2 rows of 16384 tokens on 8 devices is tp=8 with checkpointing (ZeRO-3 would add its
-    # gathered weights): model states (2 + 2 + 12) B · 4M / 8 = 8 MB; kept inputs, token ids 8 B and then 3 blocks'
-    # 1000 B per token, of 32768 / 8 tokens: 32.8 KB + 12.29 MB; one block recomputed in backward, 4000 B per token:
-    # 16.38 MB. 36.70 MB = 35.00 MiB, over a budget of 5 MB (4.77 MiB).
+    # gathered weights), in micro-batches of one row: model states (2 + 2 + 12) B · 4M / 8 = 8 MB; kept inputs,
+    # token ids 8 B and then 3 blocks' 1000 B per token, of 16384 tokens, whole on every TP rank: 131 KB + 49.2 MB;
+    # one block recomputed in backward, 4000 B per token (the toy block's activations are four hidden states of
+    # 1000 B: none is split without sequence parallelism): 65.5 MB. 122.8 MB = 117.13 MiB, over 5 MB (4.77 MiB).
     with pytest.raises(NoFeasiblePlanError, match=r"fits 4.77 MiB per device on 8 × H100: the longest bucket "
-                                                 r"\(2 rows of 16384 tokens\) needs 35.00 MiB under its leanest "
+                                                 r"\(2 rows of 16384 tokens\) needs 117.13 MiB under its leanest "
                                                  r"strategy 'tp=8 ac'; use devices with more memory"):
         plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=5e6, options=options())

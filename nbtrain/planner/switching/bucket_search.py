@@ -31,6 +31,7 @@ at once as numpy arrays) finds it exactly. The step-time and memory models are i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -42,6 +43,12 @@ from nbtrain.planner.strategy import Strategy, strategy_space
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 from nbtrain.units import format_bytes, format_seconds
+
+
+def layout(s: Strategy) -> Strategy:
+    """The layout a strategy runs in: itself without checkpointing (the executor turns that on and off per bucket
+    of one model)."""
+    return dataclasses.replace(s, ac=False)
 
 
 def padded_rows(rows: int, dp: int) -> int:
@@ -100,21 +107,50 @@ def switch_cost(what: str, source: Strategy, target: Strategy, *, params: float,
     return PredictedSwitch(what, source, target, nbytes, nbytes / link_bandwidth(cluster))
 
 
+MICRO_ROWS = (None, 1, 2, 4, 8, 16, 32, 64)
+"""Rows per micro-batch a bucket may run in on each rank: None, all at once; ``r``, micro-batches of ``r`` rows
+(the gradients accumulated), the rank's rows padded with empty ones to a multiple of ``r`` (computed, as full
+ones). The fastest that fits is taken (:func:`best_fit`)."""
+
+
 @dataclass(frozen=True)
 class BucketCost:
-    """One bucket under every strategy of the space (arrays indexed like it), each priced at its rows padded with
-    empty ones to a multiple of the strategy's dp (:func:`padded_rows`)."""
+    """One bucket under every strategy of the space (columns indexed like it) and every choice of
+    :data:`MICRO_ROWS` (rows), each priced at its rows padded with empty ones to a multiple of the strategy's dp
+    (:func:`padded_rows`) and then of the micro-batch's rows."""
 
     bound: int
     rows: int
     """The bucket's own rows (its tokens are ``bound × rows``); the padded ones are priced, not counted."""
+    micro_rows: np.ndarray
+    """[choice, strategy]: rows per micro-batch on each rank (:func:`micro_rows_for`)."""
+    microbatches: np.ndarray
+    """[choice, strategy]: micro-batches per rank."""
     passes: np.ndarray
-    """Forward and backward seconds: Σ layers compute + tp_comm + zero3_comm."""
+    """[choice, strategy]: forward and backward seconds of all the micro-batches: Σ layers compute + tp_comm +
+    zero3_comm (FSDP2 gathers once per micro-batch)."""
     sync: np.ndarray
-    """Gradient-sync seconds left over after overlapping this bucket's backward: Σ layers dp_comm."""
+    """[choice, strategy]: gradient-sync seconds left over after overlapping the last micro-batch's backward: Σ
+    layers dp_comm (once a step)."""
     activations: np.ndarray
+    """[choice, strategy]: of one micro-batch."""
     transient: np.ndarray
-    """The largest transient of its layers."""
+    """[choice, strategy]: the largest transient of its layers."""
+
+
+def micro_rows_for(choice: int | None, rows: int) -> int:
+    """Rows per micro-batch for a choice of :data:`MICRO_ROWS` on a rank holding ``rows``: all of them when the
+    choice is None or holds them (``micro_rows_for(4, 33) == 4``, ``micro_rows_for(64, 33) == 33``)."""
+    return rows if choice is None or choice >= rows else choice
+
+
+def best_fit(fits: np.ndarray, seconds: np.ndarray, microbatches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the fastest choice that fits, whether any does) along the first axis, ``seconds`` and
+    ``microbatches`` broadcast to ``fits``; of choices equally fast (to rounding), the fewest micro-batches."""
+    seconds = np.where(fits, np.broadcast_to(seconds, fits.shape), np.inf)
+    near = seconds <= seconds.min(axis=0) * (1 + 1e-9)
+    return np.argmin(np.where(near, np.broadcast_to(microbatches, fits.shape), np.iinfo(int).max), axis=0), \
+        fits.any(axis=0)
 
 
 @dataclass(frozen=True)
@@ -160,6 +196,12 @@ class SwitchingCostModel:
         self.switch_s = np.array([[sum(x.seconds for x in self.switches[h, s]) if h != s else 0.0
                                    for s in self.space] for h in self.space])
         """[home, strategy]: seconds of both switches per step."""
+        self.layouts = list(dict.fromkeys(layout(s) for s in self.space))
+        """The distinct layouts: strategies that differ only in checkpointing share one (the executor's model)."""
+        self.layout_index = np.array([self.layouts.index(layout(s)) for s in self.space])
+        representative = [int(np.argmax(self.layout_index == L)) for L in range(len(self.layouts))]
+        self.layout_switch_s = self.switch_s[:, representative]
+        """[home, layout]: seconds of both switches per step (checkpointing moves no bytes)."""
 
     @lru_cache(maxsize=None)
     def model(self, rows: int, bound: int) -> CostModel:
@@ -175,61 +217,90 @@ class SwitchingCostModel:
 
     @lru_cache(maxsize=None)
     def bucket(self, bound: int, rows: int) -> BucketCost:
-        size = len(self.space)
-        passes, sync, act, transient = np.zeros(size), np.zeros(size), np.zeros(size), np.zeros(size)
+        size, count = len(self.space), len(MICRO_ROWS)
+        micro, counts = np.ones((count, size), dtype=int), np.ones((count, size), dtype=int)
+        passes, sync = np.zeros((count, size)), np.zeros((count, size))
+        act, transient = np.zeros((count, size)), np.zeros((count, size))
         for j, s in enumerate(self.space):
             # the executor pads the bucket with empty rows to a multiple of dp, and computes them: priced as full
-            model = self.model(padded_rows(rows, s.dp), bound)
-            costs = [(model.layer(i, s, 1), n) for i, n in self.kinds]
-            passes[j] = sum(n * (c.time.compute + c.time.tp_comm + c.time.zero3_comm) for c, n in costs)
-            sync[j] = sum(n * c.time.dp_comm for c, n in costs)
-            act[j] = sum(n * c.memory.activations for c, n in costs)
-            transient[j] = max(c.transient for c, _ in costs)
-        return BucketCost(bound, rows, passes, sync, act, transient)
+            per_rank = padded_rows(rows, s.dp) // s.dp
+            for c, choice in enumerate(MICRO_ROWS):
+                r = micro_rows_for(choice, per_rank)
+                m = -(-per_rank // r)
+                model = self.model(s.dp * m * r, bound)  # each rank's rows padded to m micro-batches of r
+                costs = [(model.layer(i, s, m), n) for i, n in self.kinds]  # per micro-batch
+                passes[c, j] = m * sum(n * (x.time.compute + x.time.tp_comm + x.time.zero3_comm) for x, n in costs)
+                sync[c, j] = m * sum(n * x.time.dp_comm for x, n in costs)  # per micro-batch: a share of the step's
+                micro[c, j], counts[c, j] = r, m
+                act[c, j] = sum(n * x.memory.activations for x, n in costs)
+                transient[c, j] = max(x.transient for x, _ in costs)
+        return BucketCost(bound, rows, micro, counts, passes, sync, act, transient)
 
     def home_memory(self, b: BucketCost) -> np.ndarray:
-        """Per strategy: the bucket run under it as the home (equals CostModel.estimate of the uniform plan)."""
-        return self.reserve + self.home_states + b.activations + b.transient
+        """[choice, strategy]: the bucket run under it as the home (CostModel.estimate of the uniform plan)."""
+        return self.reserve + self.home_states[None, :] + b.activations + b.transient
 
     def away_memory(self, b: BucketCost) -> np.ndarray:
-        """[home, strategy]: the bucket run under ``strategy`` while the ``home`` layout holds its states."""
-        return self.reserve + self.home_states[:, None] + (self.copy + b.activations + b.transient)[None, :]
+        """[choice, home, strategy]: the bucket run under ``strategy`` while the ``home`` layout holds its states;
+        a strategy in the home's own layout (the home, or it with checkpointing toggled) as :meth:`home_memory`."""
+        need = self.reserve + self.home_states[None, :, None] + (self.copy[None, :] + b.activations
+                                                                 + b.transient)[:, None, :]
+        same = self.layout_index[:, None] == self.layout_index[None, :]  # [home, strategy] in the home's layout
+        return np.where(same[None], self.home_memory(b)[:, None, :], need)
 
-    def bucket_memory(self, b: BucketCost, home: int, strategy: int) -> Memory:
-        """What :meth:`home_memory` / :meth:`away_memory` add up, by category."""
-        own = Memory(activations=b.activations[strategy], transient=b.transient[strategy], reserve=self.reserve)
-        if strategy == home:
+    def choice(self, b: BucketCost, home: int, strategy: int) -> int | None:
+        """The fastest micro-batch choice under which the bucket fits under ``strategy`` beside ``home``, or None."""
+        fits = self.away_memory(b)[:, home, strategy] <= self.budget
+        c, ok = best_fit(fits, b.passes[:, strategy] + b.sync[:, strategy], b.microbatches[:, strategy])
+        return int(c) if ok else None
+
+    def bucket_memory(self, b: BucketCost, home: int, strategy: int, choice: int) -> Memory:
+        """What :meth:`away_memory` adds up, by category."""
+        own = Memory(activations=b.activations[choice, strategy], transient=b.transient[choice, strategy],
+                     reserve=self.reserve)
+        if self.layout_index[strategy] == self.layout_index[home]:
             return self.states[home] + own
         away = self.states[strategy]
         return self.states[home] + own + Memory(params=away.params, grads=away.grads)
 
 
 def fastest(costs: SwitchingCostModel, buckets: list[BucketCost]) -> Assignment | None:
-    """The fastest home strategy and strategy per bucket (shortest first; the last is the home), or None."""
-    size = len(costs.space)
+    """The fastest home strategy and strategy per bucket (shortest first; the last is the home), or None.
+
+    The facilities are *layouts* (:attr:`SwitchingCostModel.layouts`): strategies that differ only in checkpointing
+    share one (one model, switched once, synchronised once), each bucket in it taking the faster variant that fits."""
+    size, count = len(costs.space), len(costs.layouts)
     everyone = np.arange(size)
     last = buckets[-1]
-    fits = costs.home_memory(last) <= costs.budget
-    base = np.where(fits, last.passes + last.sync + costs.update, np.inf)  # (home,)
+    first, fits = best_fit(costs.home_memory(last) <= costs.budget, last.passes + last.sync, last.microbatches)
+    base = np.where(fits, last.passes[first, everyone] + last.sync[first, everyone] + costs.update, np.inf)
     others = buckets[:-1]
-    # passes[k][home, strategy]: inf where bucket k does not fit under it beside the home's states
-    passes = []
+    # per bucket k, [home, layout]: the fastest variant of the layout that fits beside the home's states (in the
+    # fastest micro-batches that do), its passes and its gradient sync; inf where none fits
+    passes, syncs, variants = [], [], []
     for b in others:
-        fits = costs.away_memory(b) <= costs.budget
-        fits[everyone, everyone] = costs.home_memory(b) <= costs.budget
-        passes.append(np.where(fits, b.passes[None, :], np.inf))
+        first, fits = best_fit(costs.away_memory(b) <= costs.budget, (b.passes + b.sync)[:, None, :],
+                               b.microbatches[:, None, :])
+        t = np.where(fits, b.passes[first, everyone[None, :]], np.inf)
+        sync = b.sync[first, everyone[None, :]]
+        by_layout = np.stack([np.where(costs.layout_index[None, :] == L, t, np.inf) for L in range(count)])
+        pick = np.argmin(by_layout, axis=2).T  # [home, layout]: the variant's index into the space
+        passes.append(np.take_along_axis(t, pick, axis=1))
+        syncs.append(np.take_along_axis(sync, pick, axis=1))
+        variants.append(pick)
+    home_layout = costs.layout_index  # [home]
     m = len(others)
-    group_time, group_strategy = {}, {}
+    group_time, group_layout = {}, {}
     for mask in range(1, 2**m):
         members = [k for k in range(m) if mask >> k & 1]
         t = sum(passes[k] for k in members)
         # away from home: its switches and one sync after its last (longest) bucket; at home the home bucket syncs
-        away = t + others[members[-1]].sync[None, :] + costs.switch_s
-        away[everyone, everyone] = np.inf
+        away = t + syncs[members[-1]] + costs.layout_switch_s
+        away[everyone, home_layout] = np.inf
         j = np.argmin(away, axis=1)
-        stay = t[everyone, everyone] <= away[everyone, j]  # no pointless switch on a tie
-        group_time[mask] = np.where(stay, t[everyone, everyone], away[everyone, j])
-        group_strategy[mask] = np.where(stay, everyone, j)
+        stay = t[everyone, home_layout] <= away[everyone, j]  # no pointless switch on a tie
+        group_time[mask] = np.where(stay, t[everyone, home_layout], away[everyone, j])
+        group_layout[mask] = np.where(stay, home_layout, j)
     best, choice = {0: np.zeros(size)}, {}
     for mask in range(1, 2**m):  # partitions of `mask` into groups: the group of its lowest bucket, then the rest
         low, rest = mask & -mask, mask & ~(mask & -mask)
@@ -252,15 +323,20 @@ def fastest(costs: SwitchingCostModel, buckets: list[BucketCost]) -> Assignment 
         g = int(choice[mask][home])
         for k in range(m):
             if g >> k & 1:
-                strategies[k] = int(group_strategy[g][home])
+                strategies[k] = int(variants[k][home, group_layout[g][home]])
         mask ^= g
     return Assignment(float(total[home]), home, strategies)
 
 
 def fastest_single_strategy(costs: SwitchingCostModel, buckets: list[BucketCost]) -> tuple[float, int] | None:
     """(step time, strategy index) of the fastest single strategy that runs every bucket within the budget."""
-    total = costs.update + buckets[-1].sync  # one sync, overlapped with the last (longest) bucket
+    everyone = np.arange(len(costs.space))
+    total = costs.update.copy()
     for b in buckets:
-        total = np.where(costs.home_memory(b) <= costs.budget, total + b.passes, np.inf)
+        first, fits = best_fit(costs.home_memory(b) <= costs.budget, b.passes + b.sync, b.microbatches)
+        total = np.where(fits, total + b.passes[first, everyone], np.inf)
+    last = buckets[-1]  # one sync, overlapped with the last (longest) bucket's backward
+    chosen, _ = best_fit(costs.home_memory(last) <= costs.budget, last.passes + last.sync, last.microbatches)
+    total = total + last.sync[chosen, everyone]
     j = int(np.argmin(total))
     return (float(total[j]), j) if np.isfinite(total[j]) else None

@@ -3,18 +3,22 @@
     >>> prof = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
     >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=8), [(4096, 48), (16384, 6), (32768, 2)])
     >>> print(hot.summary())
-    hot switching: 3 buckets · 3 strategies · home dp_shard=2 zero=2 tp=4 · fits 66.16 GiB/80.00 GiB ...
+    hot switching: 3 buckets · 3 strategies · home tp=8 · fits 78.93 GiB/80.00 GiB ...
     >>> hot.strategies()            # bound → strategy, what nbtrain.run.switching.hot.HotSwitching takes
     >>> print(hot)                  # one row per bucket, the switches, the static plan, the speed-up
 
 A bucket ``(bound, rows)`` is ``rows`` rows of ``bound`` tokens per step (what packing the step's documents of that
 length gives). The longest bucket's strategy is the *home*: its layout holds the master weights and the optimizer.
 
-**Step time.** A bucket runs one forward and backward (no micro-batches) under one strategy for every layer. Every
-data-parallel rank runs the same number of rows, so under ``dp`` ranks the bucket is padded with empty rows to a
-multiple of ``dp``, which cost as much as full ones (they are computed, as :mod:`nbtrain.run.switching.hot` runs them):
-the cost model at ``global_batch=ceil(rows / dp) × dp, seq_len=bound``, Σ over layers of ``compute + tp_comm +
-zero3_comm``, here and in the memory below. Its tokens are still the real ones, ``bound × rows``. Buckets
+**Step time.** A bucket runs under one strategy for every layer, each rank's rows in ``m`` micro-batches of ``r``
+rows (their gradients accumulated; HotSPa too sizes micro-batches per bucket): ``r`` all the rows, or 1, 2, 4, ...
+64, whichever is fastest among those that fit the memory beside the home layout, so a short bucket of many rows runs
+in slices as small as one long row. Every data-parallel rank runs the same number of rows, so under ``dp`` ranks
+the bucket is padded with empty rows to a multiple of ``dp``, and each rank's rows to a multiple of ``r``; empty
+rows cost as much as full ones (they are computed, as :mod:`nbtrain.run.switching.hot` runs them): the cost model
+at ``global_batch=dp × m × r, seq_len=bound`` and ``m`` micro-batches, Σ over layers of
+``compute + tp_comm + zero3_comm`` (FSDP2's gathers once per micro-batch). Its tokens are still the real ones,
+``bound × rows``. Buckets
 sharing a strategy run back to back (grouped by strategy, in the order of their shortest bucket, the home last, as
 :mod:`nbtrain.run.switching.hot` runs them) and synchronise their gradients once, in that layout, overlapped with the
 backward of the group's last (longest) bucket: the cost model's ``dp_comm`` at that bucket. Each strategy other than
@@ -24,10 +28,11 @@ Then one update in the home layout (the cost model's ``Time.update``, non-zero w
 
 **Memory per device.** All step long the home layout holds its compute copy, gradients and optimizer state (Σ over
 layers of the cost model's ``params + grads + optimizer``). A bucket under the home strategy adds its activations
-and the largest transient of its layers: exactly ``CostModel.estimate`` of that uniform plan. A bucket under another
-strategy adds that layout's compute copy and gradients (its ``params + grads``), its activations and its largest
-transient (HotSPa frees a layout's copy when it leaves it; :mod:`nbtrain.run.switching.hot` keeps every layout resident
-for now, which needs more). Plus the cost model's reserve. Every bucket fits.
+of one micro-batch (``r`` rows) and the largest transient of its layers: exactly
+``CostModel.estimate`` of that uniform plan. A bucket under another strategy adds that layout's compute copy and
+gradients (its ``params + grads``), its activations and its largest transient: as in HotSPa,
+:mod:`nbtrain.run.switching.hot` frees a layout's copy and gradients when the step leaves it, so no two away layouts
+are resident at once. Plus the cost model's reserve. Every bucket fits.
 
 **Search.** For each way to merge adjacent buckets (a merged bucket has the larger bound and
 ``ceil(tokens / bound)`` rows: the shorter rows packed into longer ones, attention then paid over whole rows) and
@@ -43,6 +48,7 @@ slower.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -52,7 +58,7 @@ import numpy as np
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
 from nbtrain.planner.switching.bucket_search import (Assignment, PredictedSwitch, SwitchingCostModel, fastest,
-                                                    fastest_single_strategy)
+                                                    fastest_single_strategy, layout)
 from nbtrain.planner.cost import CostOptions, Memory
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster
@@ -101,6 +107,10 @@ class Bucket:
     """Bytes per device while it runs: the home layout's states plus what this bucket adds (module docstring)."""
     merged: int = 1
     """How many of the given buckets it holds."""
+    microbatches: int = 1
+    """Micro-batches of ``micro_rows`` rows on each rank (gradients accumulated): the fastest that fit."""
+    micro_rows: int = 1
+    """Rows per micro-batch on each rank."""
 
     @property
     def tokens(self) -> int:
@@ -120,6 +130,10 @@ class StaticPlan:
     """Its largest bucket's memory per device."""
     bounds: tuple[int, ...] = ()
     """The row lengths it packs into: the buckets' bounds, or only the longest."""
+    times: tuple[float, ...] = ()
+    """Per bound: its forward and backward (the longest's with the gradient sync)."""
+    micro_rows: tuple[int, ...] = ()
+    """Per bound: rows per micro-batch on each rank."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,11 @@ class BucketPlan:
         """Bucket bound → strategy: what :class:`nbtrain.run.switching.hot.HotSwitching` takes."""
         return {b.bound: b.strategy for b in self.buckets}
 
+    def micro_rows(self) -> dict[int, int]:
+        """Bucket bound → rows per micro-batch on each rank (HotSwitching's ``micro_rows``): what the memory was
+        planned for, whatever the rows of a step."""
+        return {b.bound: b.micro_rows for b in self.buckets}
+
     def summary(self) -> str:
         kinds = len({b.strategy for b in self.buckets})
         parts = [f"{len(self.buckets)} bucket{'s' * (len(self.buckets) > 1)}",
@@ -178,12 +197,12 @@ class BucketPlan:
         return "hot switching: " + " · ".join(parts)
 
     def table(self) -> Table:
-        table = Table(["lengths", "rows", "tokens", "strategy", "time", "memory"], align="lrrlrr")
+        table = Table(["lengths", "rows", "tokens", "strategy", "micro-batches", "time", "memory"], align="lrrlrrr")
         table.title = f"{self.model or 'model'} on {self.num_devices} devices, one strategy per length bucket"
         for b in self.buckets:
             home = " (home)" if b.strategy == self.home else ""
             table.add(f"({_length(b.lower)}, {_length(b.bound)}]", b.rows, f"{b.tokens:,}", f"{b.strategy}{home}",
-                      format_seconds(b.time_s), format_bytes(b.memory.total))
+                      f"{b.microbatches} × {b.micro_rows}", format_seconds(b.time_s), format_bytes(b.memory.total))
         table.footer += [f"switch {s}" for s in self.switches] or ["no switch: every bucket runs in the home layout"]
         if self.update_s:
             table.footer.append(f"update in the home layout: {format_seconds(self.update_s)}")
@@ -219,7 +238,7 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
         >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=16), [(4096, 48), (32768, 2)],
         ...                    memory="40GiB")
         >>> {bound: str(s) for bound, s in hot.strategies().items()}
-        {4096: 'dp_replicate=2 dp_shard=8 zero=2 ac', 32768: 'dp_shard=2 zero=2 tp=8'}
+        {4096: 'dp_replicate=2 dp_shard=8', 32768: 'dp_shard=2 zero=2 tp=8 ac'}
     """
     options = options or BucketOptions()
     if not isinstance(profile, ModelProfile):
@@ -242,6 +261,32 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
     if not math.isfinite(best[0].seconds):
         raise NoFeasiblePlanError(_no_fit(costs, given))
     return _plan(costs, given, *best, notes=notes)
+
+
+def price_buckets(profile: ModelProfile, cluster: Cluster, buckets, strategies, *, memory=None,
+                  options: BucketOptions | None = None) -> BucketPlan:
+    """The predicted step of given strategies — ``{bound: Strategy}``, one per bucket of ``buckets`` — priced as
+    :func:`plan_buckets` prices its own (each bucket in the fewest micro-batches that fit, or the most there are when
+    none does), beside the best static plan.
+
+        >>> given = price_buckets(prof, cluster, [(512, 24), (4096, 2)], {512: Strategy(dp_replicate=2),
+        ...                                                                4096: Strategy(tp=2)}, memory="4GiB")
+        >>> str(given.home), given.micro_rows()
+        ('tp=2', {512: 12, 4096: 2})
+    """
+    options = options or BucketOptions()
+    given = _checked(buckets)
+    costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options)
+    if sorted(strategies) != [bound for bound, _ in given]:
+        raise InvalidArgumentError(f"strategies are given for bounds {sorted(strategies)} but the buckets have "
+                                   f"{[bound for bound, _ in given]}; give one strategy per bucket")
+    missing = [str(strategies[b]) for b, _ in given if strategies[b] not in costs.space]
+    if missing:
+        raise InvalidArgumentError(f"cannot price {', '.join(missing)}: not among the strategies hot switching runs "
+                                   f"on {cluster.num_devices} devices (no pipeline, no offload; tp dividing the heads)")
+    chosen = [costs.space.index(strategies[b]) for b, _ in given]
+    found = Assignment(math.nan, chosen[-1], chosen)
+    return _plan(costs, given, found, [[b] for b in given], [costs.bucket(b, r) for b, r in given], ())
 
 
 def _fastest_grouping(costs: SwitchingCostModel, grouping: list) -> tuple[Assignment, list, list]:
@@ -297,26 +342,36 @@ def _mergings(parts: list) -> list:
 
 
 def _plan(costs: SwitchingCostModel, given, found, grouping, merged, notes) -> BucketPlan:
-    space, home = costs.space, found.home
-    last_of = {j: k for k, j in enumerate(found.strategies)}  # each strategy syncs after its last bucket
+    space, home, where = costs.space, found.home, costs.layout_index
+    last_of = {where[j]: k for k, j in enumerate(found.strategies)}  # each layout syncs after its last bucket
     buckets, lower = [], 0
     for k, (group, b, j) in enumerate(zip(grouping, merged, found.strategies)):
-        seconds = b.passes[j] + (b.sync[j] if last_of[j] == k else 0.0)
-        buckets.append(Bucket(lower, b.bound, b.rows, space[j], float(seconds), costs.bucket_memory(b, home, j),
-                              merged=len(group)))
+        c = costs.choice(b, home, j)
+        c = len(b.passes) - 1 if c is None else c  # given strategies that do not fit: priced at the most
+        seconds = b.passes[c, j] + (b.sync[c, j] if last_of[where[j]] == k else 0.0)
+        buckets.append(Bucket(lower, b.bound, b.rows, space[j], float(seconds), costs.bucket_memory(b, home, j, c),
+                              merged=len(group), microbatches=int(b.microbatches[c, j]),
+                              micro_rows=int(b.micro_rows[c, j])))
         lower = b.bound
-    order = [j for j in dict.fromkeys(found.strategies) if j != home]  # the order they run in
-    switches = tuple(x for j in order for x in costs.switches[space[home], space[j]])
+    away = {where[j]: j for j in reversed(found.strategies) if where[j] != where[home]}  # a variant per layout
+    order = [away[L] for L in dict.fromkeys(where[j] for j in found.strategies) if L in away]  # as they run
+    switches = tuple(dataclasses.replace(x, source=layout(x.source), target=layout(x.target))
+                     for j in order for x in costs.switches[space[home], space[j]])
     update = float(costs.update[home])
     step = sum(b.time_s for b in buckets) + sum(s.seconds for s in switches) + update
     alone = None
     one_bucket = [(given[-1][0], merged_rows(given))]
     for packing in (given, one_bucket) if len(given) > 1 else (given,):
-        found_static = fastest_single_strategy(costs, [costs.bucket(bound, rows) for bound, rows in packing])
+        priced = [costs.bucket(bound, rows) for bound, rows in packing]
+        found_static = fastest_single_strategy(costs, priced)
         if found_static is not None and (alone is None or found_static[0] < alone.step_time_s):
             seconds, j = found_static
-            need = max(float(costs.home_memory(costs.bucket(bound, rows))[j]) for bound, rows in packing)
-            alone = StaticPlan(space[j], seconds, need, tuple(bound for bound, _ in packing))
+            chosen = [costs.choice(b, j, j) for b in priced]
+            need = max(float(costs.home_memory(b)[c, j]) for b, c in zip(priced, chosen))
+            times = tuple(float(b.passes[c, j] + (b.sync[c, j] if b is priced[-1] else 0.0))
+                          for b, c in zip(priced, chosen))
+            alone = StaticPlan(space[j], seconds, need, tuple(bound for bound, _ in packing), times,
+                               tuple(int(b.micro_rows[c, j]) for b, c in zip(priced, chosen)))
     return BucketPlan(costs.profile.model, costs.cluster.num_devices, tuple(buckets), switches, update, step,
                       sum(bound * rows for bound, rows in given), costs.budget, alone, notes)
 
@@ -325,7 +380,7 @@ def _no_fit(costs: SwitchingCostModel, given) -> str:
     """Why nothing fits, and what to change."""
     c = costs.cluster
     bound, rows = given[-1]
-    need = costs.home_memory(costs.bucket(bound, rows))
+    need = costs.home_memory(costs.bucket(bound, rows)).min(axis=0)  # with the most micro-batches
     j = int(np.argmin(need))
     where = f"no bucket plan fits {format_bytes(costs.budget)} per device on {c.num_devices} × {c.device}"
     if need[j] > costs.budget:
