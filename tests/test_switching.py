@@ -125,3 +125,38 @@ def test_strategies_differing_only_in_checkpointing_share_one_layout_and_switch_
     # per step, block 0's attention runs once for the 8-token bucket and twice for the 16-token one (forward, then
     # recomputed in backward): checkpointing was on for the one bucket only
     assert calls == STEPS * 3
+
+
+def _micro_batch_worker(rank, world, port, strategies, micro_rows, queue):
+    with gloo_worker(rank, world, port, queue) as report:
+        from nbtrain.run.switching.hot import HotSwitching
+        from nbtrain.run.tensor_memory import state_bytes
+
+        switching = HotSwitching(lambda: GPT(GPT_TINY), strategies, lr=LR, micro_rows=micro_rows)
+        away = [layout for layout in switching.layouts.values() if layout is not switching.home]
+        records, resident = [], []
+        for step in range(STEPS):
+            records.append(switching.step(step_batches(step)))
+            resident.append([state_bytes(layout.model) for layout in away])  # after the step: given back
+        param_bytes = [sum(p.numel() * p.element_size() for p in layout.params) for layout in away]
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in switching.home.model.state_dict().items()}
+        weights = io.BytesIO()
+        torch.save(state, weights)
+        report(([r.loss for r in records], weights.getvalue(), records[-1], resident, param_bytes))
+
+
+@pytest.mark.slow
+def test_buckets_in_micro_batches_accumulate_to_the_step_of_one_process_and_a_layout_left_holds_no_memory():
+    """Each rank's 3 rows of 8 tokens in micro-batches of 2 (the last one padded with an empty row), the 16-token
+    rows one at a time: the same step. After each step the layouts away from home hold no weight and no gradient
+    (their storage given back), and while their bucket ran they held their weights beside the home's."""
+    strategies = {8: "dp_replicate=2", 16: "dp_shard=2", 32: "tp=2"}
+    losses, weights, last, resident, param_bytes = spawn_group(_micro_batch_worker, 2, strategies,
+                                                               {8: 2, 16: 1, 32: 1})
+    assert_trains_as_one_process((losses, weights, last))
+    assert all(step == [0, 0] for step in resident), resident  # both away layouts given back, every step
+    home_bytes = last.bucket_tensor_bytes[32]
+    # measured during the short buckets: the home's states plus that layout's own weights (and gradients)
+    assert last.bucket_tensor_bytes[8] >= param_bytes[0] and last.bucket_tensor_bytes[16] >= param_bytes[1]
+    assert home_bytes > 0 and set(last.bucket_tensor_bytes) == set(ROWS)

@@ -11,24 +11,32 @@ parallel, or their mixes, on every process). The *home* strategy is the longest 
 weights the optimizer updates and the optimizer state, all step long. A step runs the other strategies first,
 shortest buckets first, each as HotSPa does:
 
-1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.Resharding`, planned once per pair);
-2. forward and backward of each of its buckets' rows (each data-parallel rank its rows; the gradient sync of that
-   layout once, after its last bucket);
-3. switch the gradients strategy → home, *added* to the home model's ``.grad``;
+1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.Resharding`, planned once per pair)
+   into the layout's storage, given back for the occasion;
+2. forward and backward of each of its buckets' rows (each data-parallel rank its rows, in micro-batches of
+   ``micro_rows[bound]`` rows whose gradients accumulate, padded with empty rows to whole micro-batches; the
+   gradient sync of that layout once, after its last);
+3. switch the gradients strategy → home, *added* to the home model's ``.grad``; then free the layout's weights and
+   gradients (HotSPa does too: only the home layout and the one running are resident, as the planner prices it);
 
 then the home strategy's buckets (its gradient sync adds their gradients to what is there: DDP and FSDP2 reduce
 ``.grad`` plus the new local gradient, and what the switches put there is already the same on every replica), one
 clipping and one optimizer step in the home layout. The loss is the token-level mean over the whole step: each rank
 backpropagates ``Σ cross-entropy of its rows × dp / tokens of the step`` (DDP and FSDP2 divide by dp), so the
 gradients are those of one process over all the buckets. Strategies that differ only in checkpointing share one
-layout (one model, no switch): checkpointing is turned on and off per bucket (``set_checkpointing``). Each layout's
-model is resident all the time (weights and gradients of every layout: more memory than HotSPa, which frees a
-layout's copy when it leaves it).
+layout (one model, no switch): checkpointing is turned on and off per bucket (``set_checkpointing``). A layout's
+weights are freed by giving their storage back (``untyped_storage().resize_(0)``, as FSDP2 frees its gathered
+weights): its parameters stay the same objects, so its wrappers and the switch plans hold. DDP's own gradient
+buckets stay allocated (a DDP layout keeps one gradient-sized buffer). Each record carries the tensor memory this
+rank held at each bucket's peak (:mod:`nbtrain.run.tensor_memory`: every layout's resident weights and gradients,
+the home optimizer state, the activations saved for backward), the quantity the planner predicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nbtrain.errors import InvalidArgumentError
+from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
 from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
@@ -47,7 +55,9 @@ from nbtrain.models.description import layer_slots
 from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
 from nbtrain.run.switching.reshard import Resharding
 from nbtrain.gradients import clip_grad_norm, group_by_kind
-from nbtrain.run.trainer import gradient_sync
+from nbtrain.profiler.segments import first_tensor
+from nbtrain.run.tensor_memory import SavedActivations, state_bytes
+from nbtrain.run.trainer import check_on_nonfinite, gradient_sync
 
 
 @dataclass(frozen=True)
@@ -71,10 +81,22 @@ class SwitchStepRecord:
     bucket_seconds: dict[int, float]
     """Forward and backward seconds per bucket bound (on this rank)."""
     switches: list[MeasuredSwitch] = field(default_factory=list)
+    bucket_tokens: dict[int, int] = field(default_factory=dict)
+    """Tokens with a target per bucket bound (the whole step's, every rank's)."""
+    bucket_tensor_bytes: dict[int, int] = field(default_factory=dict)
+    """Tensor bytes this rank held at each bucket's peak (module docstring)."""
+    grad_norm: float | None = None
+    """The gradient norm before clipping, when clipping is on."""
+    skipped: bool = False
+    """The loss was not finite and the update was skipped (``on_nonfinite="skip"``)."""
 
     @property
     def switch_seconds(self) -> float:
         return sum(s.seconds for s in self.switches)
+
+    @property
+    def tensor_bytes(self) -> int | None:
+        return max(self.bucket_tensor_bytes.values()) if self.bucket_tensor_bytes else None
 
 
 class _Layout:
@@ -91,6 +113,26 @@ class _Layout:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dp_rank = self.meshes.dp_rank(0)
+        storages = {}
+        for p in self.params:
+            storage = local_shard(p.detach()).untyped_storage()
+            storages.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+        self._storages = list(storages.values())
+        self.resident = True
+
+    def free(self) -> None:
+        """Give the weights' storage back (their values are gone: the next switch here writes them again)."""
+        for p in self.params:
+            p.grad = None
+        for storage, _ in self._storages:
+            storage.resize_(0)
+        self.resident = False
+
+    def restore(self) -> None:
+        """Take the weights' storage again, to be written by a switch."""
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+        self.resident = True
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a bucket (padded by the caller to a multiple of dp)."""
@@ -113,18 +155,26 @@ def _padded(rows: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
 
 class HotSwitching:
     """Train with one strategy per length bucket (module docstring). ``strategies``: bound → strategy (a
-    ``Strategy`` or its text, ``"dp_shard=2"``); the largest bound's is the home. ``build()`` makes the model on
-    this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same initial weights).
-    ``offload``: the home optimizer's CPU update offload (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, a fraction
-    for every layer or one per layer; the home strategy then has no TP); its updates land before the next step's
-    first switch."""
+    ``Strategy`` or its text, ``"dp_shard=2"``); the largest bound's is the home. ``micro_rows``: bound → the rows of
+    one micro-batch on each rank (default: all of them at once; :meth:`BucketPlan.micro_rows`). ``build()``
+    makes the model on this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same
+    initial weights). ``offload``: the home optimizer's CPU update offload
+    (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, a fraction for every layer or one per layer; the home
+    strategy then has no TP); its updates land before the next step's first switch. ``lr_schedule(step)``
+    multiplies ``lr``; a step whose loss is not finite stops the run (``on_nonfinite="stop"``,
+    :class:`~nbtrain.errors.NonFiniteLossError`) or is skipped (``"skip"``) before its update."""
 
     def __init__(self, build: Callable[[], nn.Module], strategies: Mapping[int, object], *, lr: float = 1e-3,
-                 weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0, offload=None):
+                 weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0, offload=None,
+                 micro_rows: Mapping[int, int] | None = None, betas=(0.9, 0.999), eps: float = 1e-8,
+                 lr_schedule: Callable[[int], float] | None = None, on_nonfinite: str = "stop"):
         if not strategies:
             raise InvalidArgumentError("strategies is empty: give at least one bucket bound and its strategy")
         self.bounds = sorted(strategies)
         by_bound = {b: _strategy(strategies[b]) for b in self.bounds}
+        self.micro_rows = {b: (micro_rows or {}).get(b) for b in self.bounds}
+        if any(r is not None and (not isinstance(r, int) or r < 1) for r in self.micro_rows.values()):
+            raise InvalidArgumentError(f"micro_rows must be a positive number of rows per bound, got {micro_rows}")
         # strategies that differ only in checkpointing share one layout (one model, no switch between them); it is
         # built with checkpointing where any of them has it, turned on and off per bucket
         layout_of = {b: dataclasses.replace(s, ac=False) for b, s in by_bound.items()}
@@ -136,6 +186,11 @@ class HotSwitching:
         self.strategy_of, self.layout_of = by_bound, layout_of
         self.home = self.layouts[home]
         self.clip_norm, self.steps_done = clip_norm, 0
+        self.on_nonfinite = check_on_nonfinite(on_nonfinite)
+        forward = getattr(self.home.model, "forward", None)
+        self.takes_doc_ids = forward is not None and "doc_ids" in inspect.signature(forward).parameters
+        """Whether the model keeps attention inside each packed document (``forward(ids, doc_ids=...)``, as
+        nbtrain's GPT does); other models attend across the documents of a row."""
         if offload is not None:
             from nbtrain.run.offload.optimizer import OffloadedAdamW
 
@@ -143,15 +198,35 @@ class HotSwitching:
                 raise InvalidArgumentError(f"offload runs with data-parallel layouts; the home strategy ({home}) "
                                            "has tensor parallelism: choose a home without tp, or offload=None")
             self.optimizer = OffloadedAdamW.from_model(self.home.wrapped, offload, lr=lr, weight_decay=weight_decay,
-                                                       clip_norm=clip_norm)
+                                                       clip_norm=clip_norm, betas=betas, eps=eps)
         else:
             groups = [{"params": ps} for ps in group_by_kind(self.home.params)]
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, fused=True)
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                               fused=True)
         self.offloaded = offload is not None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule) \
+            if lr_schedule is not None and not self.offloaded else None
+        if lr_schedule is not None and self.offloaded:
+            raise InvalidArgumentError("lr_schedule with an offloaded update is not supported; give one or the other")
         self._to = {s: Resharding(self.home.params, layout.params) for s, layout in self.layouts.items()
                     if layout is not self.home}
         self._back = {s: Resharding(layout.params, self.home.params) for s, layout in self.layouts.items()
                       if layout is not self.home}
+        for layout in self.layouts.values():
+            if layout is not self.home:
+                layout.free()  # resident only while its buckets run
+
+    @property
+    def schedule_epoch(self) -> int:
+        """Steps of the learning-rate schedule taken (skipped steps take none)."""
+        return self.scheduler.last_epoch if self.scheduler is not None else 0
+
+    def restore_progress(self, steps_done: int, schedule_epoch: int = 0) -> None:
+        """Go on from a checkpoint: the steps done and the schedule's position."""
+        self.steps_done = steps_done
+        if self.scheduler is not None:
+            for _ in range(schedule_epoch):
+                self.scheduler.step()
 
     def step(self, buckets) -> SwitchStepRecord:
         """One step over a global batch given as packed rows per bucket (objects with ``bound``, ``ids``,
@@ -162,11 +237,12 @@ class HotSwitching:
         if unknown:
             raise InvalidArgumentError(f"buckets of bound {unknown} have no strategy; strategies were given for "
                                        f"{self.bounds}")
-        tokens = sum(int((b.targets != -100).sum()) for b in buckets)
+        counted = {b.bound: int((b.targets != -100).sum()) for b in buckets}
+        tokens = sum(counted.values())
         if tokens == 0:
             raise InvalidArgumentError("the step has no target token (every target is -100)")
         loss = torch.zeros((), dtype=torch.float64)
-        seconds, switches = {}, []
+        seconds, switches, memory = {}, [], {}
         if self.offloaded:
             self.optimizer.synchronize()  # the last step's CPU updates, before the weights leave home
         for strategy, layout in self.layouts.items():
@@ -175,40 +251,69 @@ class HotSwitching:
             if not mine:
                 continue
             if away:
+                layout.restore()
                 self._to[strategy].run([local_shard(p.detach()) for p in self.home.params],
                                        [local_shard(p.detach()) for p in layout.params])
                 switches.append(MeasuredSwitch("weights", str(strategy), self._to[strategy].seconds,
-                                       self._to[strategy].bytes_received))
+                                               self._to[strategy].bytes_received))
             for i, bucket in enumerate(mine):
                 t0 = time.perf_counter()
-                offloaded = self.optimizer if self.offloaded and not away else None
                 set_checkpointing(layout.model, self.strategy_of[bucket.bound].ac)
-                with gradient_sync(layout.wrapped, i == len(mine) - 1, offloaded):
-                    loss += self._forward_backward(layout, bucket, tokens)
+                saved = SavedActivations(exclude=layout.params)
+                with saved.hooks():
+                    loss += self._bucket(layout, bucket, tokens, last=i == len(mine) - 1, away=away)
                 seconds[bucket.bound] = time.perf_counter() - t0
+                memory[bucket.bound] = self._resident_bytes() + saved.peak
             if away:
                 self._add_gradients(strategy, layout)
                 switches.append(MeasuredSwitch("gradients", str(strategy), self._back[strategy].seconds,
-                                       self._back[strategy].bytes_received))
+                                               self._back[strategy].bytes_received))
+                layout.free()
+        dist.all_reduce(loss)
+        value = float(loss) / tokens
+        self.steps_done += 1
+        record = SwitchStepRecord(self.steps_done, value, tokens, 0.0, seconds, switches, counted, memory)
+        if not math.isfinite(value):  # the same on every rank: all stop (or skip) before the update
+            if self.on_nonfinite == "stop":
+                raise NonFiniteLossError(self.steps_done, value)
+            self.optimizer.zero_grad(set_to_none=True)
+            return dataclasses.replace(record, seconds=time.perf_counter() - started, skipped=True)
+        norm = None
         if self.clip_norm is not None and not self.offloaded:  # an offloaded optimizer clips itself, exactly
-            clip_grad_norm(self.home.params, self.clip_norm)
+            norm = clip_grad_norm(self.home.params, self.clip_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss)
-        self.steps_done += 1
-        return SwitchStepRecord(self.steps_done, float(loss) / tokens, tokens, time.perf_counter() - started,
-                                seconds, switches)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return dataclasses.replace(record, seconds=time.perf_counter() - started, grad_norm=norm)
 
-    def _forward_backward(self, layout: _Layout, bucket, tokens: int) -> torch.Tensor:
-        """Backward of this rank's rows' summed cross-entropy × dp / the step's tokens; returns that sum / tp (summed
+    def _resident_bytes(self) -> int:
+        """This rank's weights and gradients of every resident layout, and the home optimizer's state."""
+        return sum(state_bytes(layout.model, self.optimizer if layout is self.home else None)
+                   for layout in self.layouts.values() if layout.resident)
+
+    def _bucket(self, layout: _Layout, bucket, tokens: int, *, last: bool, away: bool) -> torch.Tensor:
+        """This rank's rows of the bucket, in its micro-batches; the gradient sync after the layout's last one."""
+        s, r = layout.strategy, self.micro_rows[bucket.bound]
+        multiple = s.dp * (r or 1)  # every rank the same rows, in whole micro-batches (empty rows: no target)
+        parts = [layout.rows(_padded(bucket.ids, multiple, 0)), layout.rows(_padded(bucket.targets, multiple, -100))]
+        if self.takes_doc_ids and getattr(bucket, "doc_ids", None) is not None:
+            parts.append(layout.rows(_padded(bucket.doc_ids, multiple, -1)))
+        pieces = list(zip(*(t.split(r) if r else (t,) for t in parts)))
+        offloaded = self.optimizer if self.offloaded and not away else None
+        total = torch.zeros((), dtype=torch.float64)
+        for k, piece in enumerate(pieces):
+            with gradient_sync(layout.wrapped, last and k == len(pieces) - 1, offloaded):
+                total += self._forward_backward(layout, *piece, tokens=tokens)
+        return total
+
+    def _forward_backward(self, layout: _Layout, ids, targets, doc_ids=None, *, tokens: int) -> torch.Tensor:
+        """Backward of these rows' summed cross-entropy × dp / the step's tokens; returns that sum / tp (summed
         over every rank, the step's total: each row's sum is held by its tp ranks)."""
         s = layout.strategy
-        ids = layout.rows(_padded(bucket.ids, s.dp, 0))
-        targets = layout.rows(_padded(bucket.targets, s.dp, -100))
-        kwargs = {}
-        if getattr(bucket, "doc_ids", None) is not None:
-            kwargs["doc_ids"] = layout.rows(_padded(bucket.doc_ids, s.dp, -1))
-        logits = layout.wrapped(ids, **kwargs)
+        output = layout.wrapped(ids) if doc_ids is None else layout.wrapped(ids, doc_ids=doc_ids)
+        logits = getattr(output, "logits", None)
+        logits = first_tensor(output) if logits is None else logits
         summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                  ignore_index=-100, reduction="sum")
         (summed * s.dp / tokens).backward()
@@ -227,5 +332,3 @@ class HotSwitching:
                 g = g.redistribute(p.device_mesh, p.placements)
             grads.append(local_shard(g))
         self._back[strategy].run(grads, [local_shard(p.grad) for p in self.home.params], add=True)
-        for p in layout.params:
-            p.grad = None
