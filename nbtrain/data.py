@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,8 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
 
 __all__ = ["IGNORE", "WIKIPEDIA", "LengthHistogram", "PackedRows", "as_documents", "bucket_of", "document_mask",
-           "document_positions", "histogram_documents", "length_batches", "pack", "power_of_two_bounds",
+           "document_positions", "histogram_documents", "length_batches", "mean_bucket_rows", "pack",
+           "power_of_two_bounds",
            "stdlib_batches", "stdlib_documents", "tokenize"]
 
 IGNORE = -100
@@ -40,7 +41,8 @@ Documents = Sequence["torch.Tensor | Sequence[int]"]
 
 
 def as_documents(documents: Documents) -> list[torch.Tensor]:
-    """The documents as 1-D ``LongTensor``s, checked: at least one, none empty, ids integers ≥ 0.
+    """The documents as 1-D ``LongTensor``s, checked: at least one, none empty, ids integers ≥ 0. A document may be
+    a tensor, a list of ints, or a ``datasets`` row with ``input_ids``.
 
         >>> as_documents([[5, 6, 7], torch.tensor([8, 9], dtype=torch.int32)])
         [tensor([5, 6, 7]), tensor([8, 9])]
@@ -51,6 +53,12 @@ def as_documents(documents: Documents) -> list[torch.Tensor]:
             "wrap a single document in a list, or pass list(t) for the rows of a 2-D tensor")
     result = []
     for i, doc in enumerate(documents):
+        if isinstance(doc, Mapping):  # a `datasets` row: {"input_ids": [...], ...}
+            if "input_ids" not in doc:
+                raise InvalidArgumentError(f"document {i} is a mapping without 'input_ids' (keys: "
+                                           f"{', '.join(map(str, doc))}); tokenize the text first, or pass the "
+                                           "token lists themselves")
+            doc = doc["input_ids"]
         if not isinstance(doc, torch.Tensor):
             try:
                 doc = torch.tensor(list(doc)) if len(doc) else torch.zeros(0, dtype=torch.long)
@@ -219,6 +227,12 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((same & causal) | torch.eye(T, dtype=torch.bool, device=d.device)).unsqueeze(1)
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """``[rows, T]``: each token's position within its document, restarting at 0 at each document's first token
     (0 on padding): the positions a document run alone has, for learned positions and RoPE alike. Each
@@ -232,8 +246,9 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(d, dtype=torch.bool)
     starts[:, 1:] = d[:, 1:] != d[:, :-1]
     valid = d >= 0
-    # A document in two runs would restart its positions while the mask joins both runs: refuse it.
-    if valid.any():
+    # A document in two runs would restart its positions while the mask joins both runs: refuse it. (Not while the
+    # profiler counts a step on fake tensors, which hold no values to check: its rows are packed as pack() does.)
+    if not _is_fake(d) and valid.any():
         row_major = d + torch.arange(d.shape[0], device=d.device)[:, None] * (int(d.max()) + 1)
         if torch.unique(row_major[valid]).numel() != int((starts & valid).sum()):
             raise InvalidArgumentError("doc_ids number a document in more than one run of its row; keep each "
@@ -282,3 +297,19 @@ def _batches(docs: list[torch.Tensor], tokens_per_step: int, bounds: list[int], 
             buckets[_bucket(len(doc), bounds)].append(doc)
             total += len(doc)
         yield [_pack(bucket, bound) for bucket, bound in zip(buckets, bounds) if bucket]
+
+
+def mean_bucket_rows(documents: Documents, *, tokens_per_step: int, bounds: Sequence[int], seed: int = 0,
+                     steps: int = 8) -> list[tuple[int, int]]:
+    """``(bound, rows)`` per bucket: the rows :func:`length_batches` packs into each bound per step, averaged over
+    its first ``steps`` steps and rounded up (at least one): what :func:`nbtrain.planner.switching.buckets.plan_buckets`
+    plans for.
+
+        >>> mean_bucket_rows([[1] * 300, [2] * 2000, [3] * 100], tokens_per_step=2048, bounds=[256, 2048])
+        [(256, 1), (2048, 2)]
+    """
+    rows = {b: [] for b in _check_bounds(bounds)}
+    for buckets in length_batches(documents, tokens_per_step=tokens_per_step, bounds=bounds, seed=seed, steps=steps):
+        for b in rows:
+            rows[b].append(next((r.ids.shape[0] for r in buckets if r.bound == b), 0))
+    return [(b, max(1, -(-sum(v) // len(v)))) for b, v in rows.items()]

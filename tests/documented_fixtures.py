@@ -372,6 +372,13 @@ Path("rank1.stack").write_text("""Current thread 0x00007f298c686b80 (most recent
 """)
 '''
 
+LENGTH_MIX = '''\
+from nbtrain.data import WIKIPEDIA, histogram_documents
+from nbtrain.models import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=2048, block_size=1024, n_layer=2, n_head=2, n_embd=64, tie_embeddings=False))
+docs = histogram_documents(WIKIPEDIA, 2000, scale=8, vocab_size=2048)
+'''
+
 DOCSTRING_SETUP = {
     "nbtrain.notebook.cell": '''\
 namespace = {}                            # the notebook's variables
@@ -404,6 +411,16 @@ profile = shared("llama-7b@4096")
 cluster = nbtrain.Cluster.from_catalog("A100", num_devices=8)
 ''',
     "nbtrain.planner.switching.buckets.plan_buckets": 'prof = shared("llama-7b@4096")\n',
+    "nbtrain.planner.switching.buckets.price_buckets": '''\
+from nbtrain.planner.strategy import Strategy
+prof = nbtrain.profile(nbtrain.GPT(nbtrain.GPTConfig(vocab_size=2048, block_size=4096, n_layer=2, n_head=2,
+                                                     n_embd=64, tie_embeddings=False)), batch_size=1, seq_len=4096)
+cluster = nbtrain.Cluster.from_catalog("cpu", num_devices=2)
+''',
+    "nbtrain.run.switching.planned": LENGTH_MIX,
+    "nbtrain.run.switching.training": LENGTH_MIX + 'from nbtrain.run.launch.workers import launch\n',
+    "nbtrain.run.fit_documents": LENGTH_MIX,
+    "nbtrain.run.switching.planned.longest_bucket_needs": LENGTH_MIX,
     "nbtrain.planner.cost": '''\
 profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)

@@ -161,6 +161,21 @@ def test_launch_trains_under_the_scaled_plan_and_loads_the_weights_back(shell, c
     assert "measured step time" in out and "predicted" in out and "the trained weights are in model" in out
 
 
+@pytest.mark.slow
+def test_documents_in_data_are_bucketed_planned_for_this_machine_and_trained_as_planned(shell, capsys):
+    shell.run_cell("from nbtrain.data import WIKIPEDIA, histogram_documents\n"
+                   "docs = histogram_documents(WIKIPEDIA, 300, scale=64, vocab_size=256)")
+    result = run(shell, "--data docs --memory 16MiB -o job --launch --processes 2 --steps 2")
+    assert result.success, result.error_in_exec
+    trained = shell.user_ns["job_result"]
+    assert len(trained.losses) == 2 and trained.layout.bounds[-1] == 64  # rows up to the model's context
+    model = shell.user_ns["model"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.state_dict.items())
+    out = capsys.readouterr().out
+    assert "one strategy per length bucket" in out and "per bucket (rank 0" in out
+    assert "the trained weights are in model" in out
+
+
 def _failing_loss(output, targets):
     """Next-token loss that fails in the worker of rank 1 (planning, in the notebook's process, works)."""
     import torch.distributed as dist

@@ -36,7 +36,8 @@ class AutoparallelMagics(Magics):
     @argument("--model", metavar="NAME", help="the variable holding the model (default: the one nn.Module the "
                                               "cell made)")
     @argument("--data", metavar="NAME", help="a list of (inputs, targets) global batches, or a function step → "
-                                             "batch, to train on with --launch (default: standard-library text)")
+                                             "batch, to train on with --launch (default: standard-library text); "
+                                             "or documents of any length, bucketed and hot-switched")
     @argument("--loss", metavar="NAME", help="a function loss(output, targets) (default: next-token cross-entropy)")
     @argument("--tp-plan", metavar="NAME", help="a tensor-parallel plan, {'blocks.*.fc1': 'colwise', ...}, for a "
                                                 "model whose config carries none")
@@ -102,6 +103,7 @@ class AutoparallelMagics(Magics):
         from nbtrain.models.description import check_tensor_parallel_plan
         from nbtrain.notebook.cell import check_data, check_loss, find_model, plan_model, snapshot, train_here
         from nbtrain.planner.report import comparison_table
+        from nbtrain.run.fit_documents import is_documents
 
         # Every flag is checked before the cell's own code runs: a typo costs nothing and undoes nothing.
         memory = flags.check_line(args, local_devices=_local_devices)
@@ -124,6 +126,8 @@ class AutoparallelMagics(Magics):
         checked_loss = check_loss(loss_fn, args.loss)  # profiling reports an error inside it as the loss's
         if tp_plan is not None:
             check_tensor_parallel_plan(model, tp_plan)
+        if is_documents(data):  # variable-length documents: length buckets, a strategy each, hot switching
+            return self._run_documents(args, name, model, data, memory)
         job = plan_model(model, name, gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                          processes=args.processes or _local_devices(),
                          memory=memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
@@ -161,6 +165,35 @@ class AutoparallelMagics(Magics):
             print(f"the trained weights are in {name}")
             if args.output:
                 namespace[args.output + "_result"] = result
+        return None
+
+    def _run_documents(self, args, name: str, model, documents, memory) -> None:
+        """``--data`` holds documents: the planner buckets them for this machine's ``--processes`` (a described
+        cluster cannot run them here; ``--strategy`` one strategy for every bucket), shows the plan, and with
+        ``--launch`` trains it (``nbtrain.fit``)."""
+        from nbtrain.run.switching.planned import plan_documents
+
+        for flag in ("gpus", "gpu", "batch", "seq", "loss", "tp_plan", "export"):
+            if getattr(args, flag) not in (None, False):
+                raise UsageError(f"--{flag.replace('_', '-')} with documents in --data: the buckets are planned for "
+                                 "this machine's --processes (their lengths set the rows); leave it out")
+        processes = args.processes or _local_devices()
+        if not args.launch:
+            print(plan_documents(model, documents, num_processes=processes, plan=args.strategy, memory=memory,
+                                 seed=args.seed or 0))
+            return None
+        from nbtrain.run.fit import fit
+
+        print(f"training {name} here on its documents: {processes} processes, {args.steps} steps")
+        result = fit(model, documents, plan=args.strategy, steps=args.steps, num_processes=processes, memory=memory,
+                     lr=args.lr,
+                     seed=args.seed, timeout=args.timeout, checkpoint_dir=args.resume or args.checkpoint_dir,
+                     checkpoint_every=args.checkpoint_every, resume=args.resume is not None)
+        _show(result.table())
+        _show(result.bucket_table())
+        print(f"the trained weights are in {name}")
+        if args.output:
+            self.shell.user_ns[args.output + "_result"] = result
         return None
 
     def _lookup(self, name: str | None, flag: str):

@@ -225,13 +225,14 @@ def per_device_batch(plan: Plan) -> int:
     return max(1, plan.global_batch // (plan.microbatches * max(s.dp for s in plan.layers)))
 
 
-def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: int | None = None,
+def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps: int, num_processes: int | None = None,
         lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
         loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
         save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop", checkpoint_dir=None,
         checkpoint_every: int | None = None, resume: bool = False, betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True,
-        accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None) -> FitResult:
+        accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None,
+        tokens_per_step: int | None = None, bounds=None, memory=None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -259,14 +260,42 @@ def fit(model: nn.Module, data, *, plan: Plan | str, steps: int, num_processes: 
     update stays AdamW. ``accumulate=k`` makes each step take ``k`` batches and average their gradients (gradient
     accumulation: the plan's micro-batches × k, each the size it was). ``tp_plan`` (module-name patterns to
     styles, ``{"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}``, :mod:`nbtrain.models.tensor_parallel`)
-    splits a model that carries no tensor-parallel plan of its own."""
+    splits a model that carries no tensor-parallel plan of its own.
+
+    ``data`` may also be *documents*: token sequences of any length (1-D tensors, lists of ints, ``datasets`` rows
+    with ``input_ids``). Each step then takes ``tokens_per_step`` tokens of them (default 8 rows of the longest
+    bound), bucketed by length into rows of ``bounds`` (powers of two; default from 256 to the model's context);
+    with ``plan=None`` the planner chooses the buckets, a strategy and micro-batches per bucket within ``memory``
+    per device (``"24GiB"``; default the device's), on ``cluster`` (default this machine, measured), and trains
+    them with hot switching, or one strategy for all when switching does not pay (it says so, with both
+    predictions); ``plan`` may also be one strategy (``"dp_shard=2"``) or ``{bound: strategy}``
+    (:mod:`nbtrain.run.fit_documents`)."""
     from nbtrain.models.description import check_tensor_parallel_plan
+    from nbtrain.run.fit_documents import is_documents
     from nbtrain.run.launch.environment import check_limit, visible_gpus
     from nbtrain.run.launch.workers import launch, launched_externally, runs_in_this_process
 
     positive_int(steps, f"steps must be a positive integer, got {steps!r}")
     check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
     adamw = _check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
+    if is_documents(data):
+        from nbtrain.run.fit_documents import fit_documents
+
+        given = {"loss_fn": loss_fn is not lm_loss, "precision": precision != "fp32", "accumulate": accumulate != 1,
+                 "optimizer": optimizer is not None, "tp_plan": tp_plan is not None, "save_dir": save_dir is not None,
+                 "decay_norms_and_biases": not decay_norms_and_biases}
+        return fit_documents(model, data, plan=plan, steps=steps, num_processes=num_processes, lr=lr,
+                             lr_schedule=lr_schedule, clip_norm=clip_norm, seed=seed, cluster=cluster,
+                             progress=progress, timeout=timeout, on_nonfinite=on_nonfinite,
+                             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+                             betas=adamw[0], eps=adamw[1], weight_decay=adamw[2], tokens_per_step=tokens_per_step,
+                             bounds=bounds, memory=memory, unsupported={k for k, v in given.items() if v})
+    if plan is None:
+        raise InvalidArgumentError("give plan= for (ids, targets) batches, e.g. plan='dp_shard=2' (nbtrain.plan(...) "
+                                   "recommends one); only documents are planned by fit itself")
+    if tokens_per_step is not None or bounds is not None or memory is not None:
+        raise InvalidArgumentError("tokens_per_step, bounds and memory are for documents (token sequences of any "
+                                   "length); with (ids, targets) batches, the batch is the step")
     positive_int(accumulate, f"accumulate must be a positive integer (batches per step), got {accumulate!r}")
     if optimizer is not None and not callable(optimizer):
         raise InvalidArgumentError(f"optimizer must be a factory called on the parameters, e.g. lambda groups: "

@@ -1,0 +1,136 @@
+"""``fit`` on documents of any length: bucketed, each bucket under its own strategy in real gloo processes, trains
+as one process does on the same packed batches; a switching run checkpoints and resumes under another home layout.
+
+The documents follow the Wikipedia length mix (every length ÷ 64, so most are a few tokens and a few are cut at
+the longest row), the models are a LLaMA-shaped nbtrain GPT (it keeps attention inside each packed document) and a
+transformers Llama from its own config class (it attends across the documents of a row: the reference does too).
+The reference is one process, one model, plain ``torch.optim.AdamW`` with fit's defaults (weight decay 0.01,
+gradients clipped to norm 1), the token-level mean cross-entropy over every bucket of a step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nbtrain
+from nbtrain.data import WIKIPEDIA, histogram_documents, length_batches
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.models import GPT, GPTConfig
+from tests.distributed_fixtures import VOCAB
+
+CONFIG = GPTConfig(vocab_size=VOCAB, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=48,
+                   norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False)
+DOCS = histogram_documents(WIKIPEDIA, 400, scale=64, vocab_size=VOCAB, seed=3)
+TOKENS, LR, STEPS = 640, 1e-2, 4
+SWITCHING = {32: "dp_replicate=2", 128: "dp_shard=2"}
+
+
+def llama():
+    return GPT(CONFIG)
+
+
+def hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        tie_word_embeddings=False, use_cache=False))
+
+
+def reference(model, bounds, steps=STEPS):
+    """Losses of one process over the batches fit takes (length_batches, seed 0), and its final weights."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    doc_ids = isinstance(model, GPT)
+    losses = []
+    for buckets in length_batches(DOCS, tokens_per_step=TOKENS, bounds=bounds, steps=steps):
+        tokens = sum(int((b.targets != -100).sum()) for b in buckets)
+        loss = 0.0
+        for b in buckets:
+            out = model(b.ids, doc_ids=b.doc_ids) if doc_ids else model(b.ids).logits
+            loss = loss + F.cross_entropy(out.reshape(-1, VOCAB), b.targets.reshape(-1), reduction="sum")
+        loss = loss / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def test_documents_are_told_apart_from_batches():
+    from nbtrain.run.fit_documents import is_documents
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    assert is_documents(DOCS) and is_documents([[1, 2, 3], [4]]) and is_documents([{"input_ids": [1, 2]}])
+    assert not is_documents([(ids, ids)]) and not is_documents(lambda step: (ids, ids))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [llama, hf_llama], ids=["nbtrain-llama", "transformers-llama"])
+def test_fit_on_documents_switching_between_ddp_and_fsdp_trains_as_one_process(build):
+    torch.manual_seed(0)
+    model = build()
+    want_losses, want_state = reference(model, sorted(SWITCHING))
+    result = nbtrain.fit(model, DOCS, plan=SWITCHING, steps=STEPS, num_processes=2, tokens_per_step=TOKENS, lr=LR,
+                         progress=False)
+    assert result.losses == pytest.approx(want_losses, rel=1e-4)
+    for name, want in want_state.items():
+        got = model.state_dict()[name]
+        assert (got - want).norm() <= 1e-4 * want.norm() + 1e-6, name
+    last = result.details[-1]
+    assert [s.what for s in last.switches] == ["weights", "gradients"]  # to DDP for the short bucket and back
+    assert set(last.bucket_seconds) <= set(SWITCHING)
+    text = str(result)
+    assert "per bucket" in text and "switch weights to 'dp_replicate=2'" in text
+
+
+@pytest.mark.slow
+def test_a_switching_run_resumes_under_another_home_layout_with_the_next_loss_it_would_have_had(tmp_path):
+    torch.manual_seed(0)
+    model = llama()
+    whole = nbtrain.fit(copy.deepcopy(model), DOCS, plan=SWITCHING, steps=STEPS, num_processes=2,
+                        tokens_per_step=TOKENS, lr=LR, progress=False)
+    nbtrain.fit(copy.deepcopy(model), DOCS, plan=SWITCHING, steps=2, num_processes=2, tokens_per_step=TOKENS,
+                lr=LR, progress=False, checkpoint_dir=tmp_path / "run", checkpoint_every=2)
+    # the same buckets, the home now tensor parallel and the short bucket sharded: the checkpoint is re-laid out
+    resumed = nbtrain.fit(copy.deepcopy(model), DOCS, plan={32: "dp_shard=2", 128: "tp=2"}, steps=STEPS,
+                          num_processes=2, tokens_per_step=TOKENS, lr=LR, progress=False,
+                          checkpoint_dir=tmp_path / "run", resume=True)
+    assert resumed.resumed_at == 2
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_planner_chooses_the_buckets_and_the_run_trains_under_its_choice():
+    """No plan: the buckets, strategies and micro-batches are the planner's, for 2 processes of this machine's
+    catalog CPU, under a budget; whatever it chose trains as one process does."""
+    torch.manual_seed(0)
+    model = llama()
+    start = copy.deepcopy(model)
+    cluster = nbtrain.Cluster.from_catalog("cpu", num_devices=2)
+    result = nbtrain.fit(model, DOCS, steps=2, num_processes=2, tokens_per_step=TOKENS, bounds=[32, 64, 128],
+                         lr=LR, memory="8MiB", cluster=cluster, progress=False)
+    layout = result.layout
+    assert layout.predicted is not None and result.predicted_step_s > 0
+    assert set(layout.bounds) <= {32, 64, 128} and layout.bounds[-1] == 128  # merged or not, the longest stays
+    want_losses, _ = reference(start, layout.bounds, steps=2)
+    assert result.losses == pytest.approx(want_losses, rel=1e-4)
+    assert "predicted" in str(result)
+
+
+def test_documents_refuse_what_they_cannot_take_before_anything_starts():
+    model = llama()
+    with pytest.raises(InvalidArgumentError, match="num_processes"):
+        nbtrain.fit(model, DOCS, plan=SWITCHING, steps=1)
+    with pytest.raises(InvalidArgumentError, match="precision= is not taken with documents"):
+        nbtrain.fit(model, DOCS, plan=SWITCHING, steps=1, num_processes=2, precision="bf16")
+    with pytest.raises(InvalidArgumentError, match="vocabulary has 128 ids"):
+        nbtrain.fit(model, [[5, 700, 3]], plan=SWITCHING, steps=1, num_processes=2)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(InvalidArgumentError, match="give plan= for"):
+        nbtrain.fit(model, [(ids, ids)], steps=1, num_processes=2)
