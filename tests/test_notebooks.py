@@ -110,26 +110,30 @@ def test_the_lab_with_reference_answers_passes_every_check(tmp_path):
     assert "✓ right" in everything and "✗" not in everything
 
 
-def test_dynamic_switching_tutorial_plans_buckets_and_measures_both_plans(tmp_path):
+def test_dynamic_switching_tutorial_trains_the_wikipedia_mix_with_fit_and_beside_the_static_plan(tmp_path):
     nb = execute(NOTEBOOKS / "04_dynamic_switching.ipynb", tmp_path, smoke=True)
     code = [c for c in nb.cells if c.cell_type == "code"]
+    assert not [o for c in code for o in c.outputs if o.output_type == "error"]  # papermill ran every cell
     everything = "\n".join(text_of(c) for c in code)
-    # part 1: the corpus, its length histogram and each bucket's share of the tokens
-    assert "tokens per document: median" in everything and "share of the tokens per bucket:" in everything
+    # part 1: the Wikipedia histogram, scaled; its length plot; most tokens outside the longest bucket
+    assert "1,000,000 Wikipedia documents" in everything and "scaled ÷ 32" in everything
     assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs)
-    # part 2: the plan table, one row per bucket, covering every length up to the largest bound (2K in smoke)
+    shares = re.search(r"share of the tokens per bucket: (.*)", everything).group(1)
+    longest = float(re.findall(r"(\d+)%", shares)[-1])
+    assert longest < 50, shares
+    # part 2: the plan table, one row per bucket, from 0 up to the largest bound (1K in smoke), and the choice
     rows = re.findall(r"^\((\w+), (\w+)\]\s+\d+\s+[\d,]+\s+\S", everything, re.M)
-    assert rows and rows[0][0] == "0" and rows[-1][1] == "2K", everything
-    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows
-    assert "(home)" in everything and "static plan '" in everything and "predicted:" in everything
-    # part 3: both plans trained, tokens/s positive, the same training (same last loss), switches beside predicted
-    lines = re.findall(r"^(static|hot switching)\s+([\d,]+)\s+[\d.]+ ms\s+([\d.]+)\s", everything, re.M)
+    assert rows and rows[0][0] == "0" and rows[-1][1] == "1K", everything
+    assert "(home)" in everything and "static plan '" in everything
+    assert "hot switching chosen" in everything or "switching does not pay here" in everything
+    # part 3: both trained by fit, with the per-bucket table beside predicted, the same training, a speed-up line
+    assert everything.count("per bucket (rank 0") == 2 and "predicted" in everything
+    lines = re.findall(r"^(static|hot switching)\s+([\d,]+)\s+([\d.]+)$", everything, re.M)
     measured = {name: (float(rate.replace(",", "")), float(loss)) for name, rate, loss in lines}
     assert set(measured) == {"static", "hot switching"}, everything
     assert all(rate > 0 for rate, _ in measured.values())
     assert measured["static"][1] == pytest.approx(measured["hot switching"][1], rel=1e-3)
     assert re.search(r"measured speed-up [\d.]+×; predicted [\d.]+×", everything)
-    assert "forward + backward per bucket" in everything and "switches per step, predicted beside measured" in everything
 
 
 def test_checkpoints_tutorial_interrupts_a_launch_resumes_under_another_plan_and_survives_faults(tmp_path):
