@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vo
 from nbtrain.run.state.checkpoint import Checkpoint, folder_for_run, with_resume_hint
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.fit_result import FitResult
-from nbtrain.run.trainer import StepRecord, check_on_nonfinite
+from nbtrain.run.trainer import StepRecord, check_on_nonfinite, progress_bar
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> lis
         trainer.restore_progress(progress.step, progress.schedule_epoch)
         records = progress.records
     folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
-    bar = _progress(run.steps, trainer.steps_done) if run.progress and rank0 else None
+    bar = progress_bar(run.steps, trainer.steps_done) if run.progress and rank0 else None
     for step in range(trainer.steps_done, run.steps):
         record = trainer.step(*get_batch(step))
         records.append(record)
@@ -175,16 +173,6 @@ def _decay_groups(groups: list[dict], adamw: tuple) -> list[dict]:
         out += [{"params": matrices, "weight_decay": decay}] if matrices else []
         out += [{"params": vectors, "weight_decay": 0.0}] if vectors else []
     return out
-
-
-def _progress(steps: int, done: int = 0):
-    if os.environ.get("NBTRAIN_NONINTERACTIVE"):
-        return None
-    # the text bar, not tqdm.auto's widget: this runs in a forked worker, whose printed lines the kernel forwards to
-    # the cell, but which must not talk to the notebook over the kernel's own sockets (not fork-safe)
-    from tqdm.std import tqdm
-
-    return tqdm(total=steps, initial=done, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
 
 
 def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, global_batch: int,

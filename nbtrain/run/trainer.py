@@ -96,10 +96,25 @@ def _numel(targets) -> int:
     return targets.numel() if isinstance(targets, torch.Tensor) else -1
 
 
-def _peak_memory() -> int:
+def peak_memory() -> int:
+    """Peak allocated device memory (CUDA), or this process's peak resident memory on the CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def progress_bar(steps: int, done: int = 0):
+    """A text progress bar over ``steps`` training steps (from ``done``), or None under NBTRAIN_NONINTERACTIVE."""
+    import os
+    import sys
+
+    if os.environ.get("NBTRAIN_NONINTERACTIVE"):
+        return None
+    # the text bar, not tqdm.auto's widget: this runs in a forked worker, whose printed lines the kernel forwards to
+    # the cell, but which must not talk to the notebook over the kernel's own sockets (not fork-safe)
+    from tqdm.std import tqdm
+
+    return tqdm(total=steps, initial=done, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
 
 
 class Trainer:
@@ -200,7 +215,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.steps_done += 1
             seconds = time.perf_counter() - started
-            return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), None, skipped=True)
+            return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(), None, skipped=True)
         if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload/optimizer.py)
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm if self.clip_norm else None
@@ -216,7 +231,7 @@ class Trainer:
             self.scheduler.step()
         seconds = time.perf_counter() - started
         self.steps_done += 1
-        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, _peak_memory(), norm, tensor_bytes=tensors)
+        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(), norm, tensor_bytes=tensors)
 
     def _forward_backward(self, ids, targets) -> torch.Tensor:
         """Forward and backward of this rank's share of the batch: the loss it holds (zero where it holds none)."""

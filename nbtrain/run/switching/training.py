@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import resource
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +25,7 @@ from torch import nn
 
 from nbtrain.data import length_batches
 from nbtrain.run.state.checkpoint import Checkpoint
-from nbtrain.run.trainer import StepRecord
+from nbtrain.run.trainer import StepRecord, peak_memory, progress_bar
 
 
 @dataclass(frozen=True)
@@ -64,12 +63,6 @@ def step_record(record, resident: int) -> StepRecord:
                       record.grad_norm, tensor_bytes=record.tensor_bytes, skipped=record.skipped)
 
 
-def _resident() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def train_documents(model: nn.Module, job: DocumentsJob):
     """In every worker (module docstring); rank 0 returns ``(records, details, state_dict)``: the step table's
     records (a resumed run's earlier ones first), this run's :class:`SwitchStepRecord`s, the trained weights."""
@@ -96,7 +89,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
         records = progress.records
     folder = CheckpointFolder(job.checkpoint_dir) if job.checkpoint_dir else None
     rank0 = dist.get_rank() == 0
-    bar = _progress(job.steps, switching.steps_done) if job.progress and rank0 else None
+    bar = progress_bar(job.steps, switching.steps_done) if job.progress and rank0 else None
     batches = length_batches(job.documents, tokens_per_step=job.tokens_per_step, bounds=sorted(job.strategies),
                              seed=job.seed)
     for _ in range(switching.steps_done):  # the batches the saved run took
@@ -104,7 +97,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
     for _ in range(switching.steps_done, job.steps):
         record = switching.step(next(batches))
         details.append(record)
-        records.append(step_record(record, _resident()))
+        records.append(step_record(record, peak_memory()))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record.loss:.4f}")
@@ -123,14 +116,3 @@ def train_documents(model: nn.Module, job: DocumentsJob):
         dist.broadcast_object_list(sent, src=0)
         result = sent[0]
     return result
-
-
-def _progress(steps: int, done: int):
-    import os
-    import sys
-
-    if os.environ.get("NBTRAIN_NONINTERACTIVE"):
-        return None
-    from tqdm.std import tqdm  # the text bar: a forked worker must not talk to the kernel's sockets
-
-    return tqdm(total=steps, initial=done, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
