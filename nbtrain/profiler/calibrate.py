@@ -124,7 +124,9 @@ def matmul_rate(device: str = "cpu", dtype: torch.dtype | None = None, n: int | 
 
 def copy_bandwidth(device: str = "cpu", nbytes: int | None = None, *, threads: int | None = None,
                    repeats: int = 5) -> Measurement:
-    """Bytes/s of one large copy: pinned host → device on CUDA (``copy_bandwidth("cuda")``), memory → memory on CPU.
+    """Bytes/s of one large copy: between pinned host memory and the GPU on CUDA, each way, the slower of the two
+    (``copy_bandwidth("cuda")``: the offload sends gradients down and weights up, so the slower way bounds it);
+    memory → memory on CPU.
 
     On a CPU "device" the offloaded optimizer's traffic is exactly such a memcpy between two host buffers.
     """
@@ -135,15 +137,18 @@ def copy_bandwidth(device: str = "cpu", nbytes: int | None = None, *, threads: i
         if dev.type == "cuda":
             # Pinned (page-locked) memory lets the copy engine DMA directly; pageable memory goes through a
             # staging buffer at roughly half the rate, and offload always pins.
-            src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
-            what = "pinned host → device"
-        else:
-            src = torch.ones(nbytes, dtype=torch.uint8)  # ones, not empty: untouched pages read as the zero page
-            what = f"memory → memory, {_threads_label(threads)}"
+            host = torch.ones(nbytes, dtype=torch.uint8, device="cpu").pin_memory()
+            gpu = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+            up = _median_seconds(lambda: gpu.copy_(host, non_blocking=True), repeats, _sync(dev))
+            down = _median_seconds(lambda: host.copy_(gpu, non_blocking=True), repeats, _sync(dev))
+            return Measurement("copy", nbytes / max(up, down), "B/s", time.perf_counter() - start,
+                               f"{format_bytes(nbytes)} pinned host → device {format_rate(nbytes / up, 'B/s')}, "
+                               f"device → host {format_rate(nbytes / down, 'B/s')}: the slower, median of {repeats}")
+        src = torch.ones(nbytes, dtype=torch.uint8)  # ones, not empty: untouched pages read as the zero page
         dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         seconds = _median_seconds(lambda: dst.copy_(src, non_blocking=True), repeats, _sync(dev))
     return Measurement("copy", nbytes / seconds, "B/s", time.perf_counter() - start,
-                       f"{format_bytes(nbytes)} {what}, median of {repeats}")
+                       f"{format_bytes(nbytes)} memory → memory, {_threads_label(threads)}, median of {repeats}")
 
 
 def cpu_adamw_rate(num_params: int = 4_000_000, threads: int | None = 1, *, repeats: int = 5) -> Measurement:

@@ -64,15 +64,35 @@ class FlopObserver(_Charger):
 
 
 class Timer(_Charger):
-    """Seconds per segment; on CUDA it synchronises at each switch so a segment's kernels are charged to it."""
+    """Seconds per segment. On the CPU from the clock at each switch; on a GPU from CUDA events recorded on the
+    stream at each switch and read once the step is done (:meth:`sync`), so that timing never stalls the GPU between
+    segments and each segment is charged exactly the kernels queued while it ran."""
 
     def __init__(self, device: torch.device):
         super().__init__()
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[int | None, str | None, torch.cuda.Event]] = []
 
     def reading(self) -> float:
-        self.sync()
         return time.perf_counter()
+
+    def switch(self, segment: int, phase: str) -> None:
+        if not self.cuda:
+            return super().switch(segment, phase)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._marks.append((self.segment, self.phase, event))  # the interval that ends here was theirs
+        self.segment, self.phase = segment, phase
+
+    def sync(self) -> None:
+        """Wait for the GPU and charge each interval between two events to the segment that ran in it."""
+        if not self.cuda or not self._marks:
+            return
+        self._marks[-1][2].synchronize()
+        for (_, _, start), (segment, phase, stop) in zip(self._marks, self._marks[1:]):
+            if segment is not None and segment >= 0:
+                (self.fwd if phase == "fwd" else self.bwd)[segment] += start.elapsed_time(stop) / 1e3  # ms
+        self._marks = []
 
 
 class SavedBytes:

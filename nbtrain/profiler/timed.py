@@ -6,11 +6,13 @@
 
 On a CPU cluster each worker process runs one intra-op thread (``nbtrain.launch`` sets it), so its layers are timed
 with one thread here too; the cost model then scales each layer's time by FLOPs to a plan's micro-batch
-(Galvatron-BMW profiles compute the same way) and by the processes that share a core.
+(Galvatron-BMW profiles compute the same way) and by the processes that share a core. On a GPU the layers are
+timed there, with CUDA events (:class:`~nbtrain.profiler.observers.Timer`), in the run's precision.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 from torch import nn
@@ -29,13 +31,15 @@ def structure_key(model: nn.Module) -> tuple:
 
 
 def timed_profile(model: nn.Module, *, batch_size: int, seq_len: int | None, inputs: Callable | None = None,
-                  loss_fn: Callable | None = None, tp_plan: dict | None = None, threads: int = 1) -> ModelProfile:
-    """``nbtrain.profile(model, ..., measure="cpu")`` at ``batch_size`` sequences, timed with ``threads`` intra-op
-    threads, cached by :func:`structure_key`, shape and the workload's functions."""
+                  loss_fn: Callable | None = None, tp_plan: dict | None = None, threads: int = 1,
+                  device: str = "cpu", dtype: str = "fp32") -> ModelProfile:
+    """``nbtrain.profile(model, ..., measure=device)`` at ``batch_size`` sequences, cached by :func:`structure_key`,
+    shape and the workload's functions: on the CPU timed with ``threads`` intra-op threads, on a GPU
+    (``device="cuda"``) with CUDA events in ``dtype``."""
     key = (structure_key(model), batch_size, seq_len, inputs, loss_fn,
-           tuple(sorted((tp_plan or {}).items())), threads)
+           tuple(sorted((tp_plan or {}).items())), threads, device, dtype)
     if key not in _CACHE:
-        with intra_op_threads(threads):
-            _CACHE[key] = profile(model, batch_size=batch_size, seq_len=seq_len, dtype="fp32", measure="cpu",
+        with intra_op_threads(threads) if device == "cpu" else nullcontext():
+            _CACHE[key] = profile(model, batch_size=batch_size, seq_len=seq_len, dtype=dtype, measure=device,
                                   inputs=inputs, loss_fn=loss_fn, tp_plan=tp_plan)
     return _CACHE[key]

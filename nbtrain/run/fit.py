@@ -336,6 +336,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         if cluster.source != "catalog" and cluster.device == "cpu":  # this machine: time it as the workers will
             cluster = cluster.with_links(num_processes) if num_processes > 1 else cluster
             prof = timed_profile(model, batch_size=per_device_batch(plan), **workload)
+        elif cluster.source != "catalog" and torch.cuda.is_available() and runs_in_this_process(num_processes):
+            # this machine's GPU, timed there with CUDA events (a forked launch cannot: CUDA must not be initialised
+            # in the process that forks, so it is priced from the datasheet and the calibration)
+            prof = timed_profile(model, batch_size=per_device_batch(plan), device="cuda",
+                                 dtype="bf16" if precision == "bf16" else "fp32", **workload)
         else:
             prof = profile(model, batch_size=1, dtype="fp32", **workload)
         prediction = estimate(plan, prof, cluster)
