@@ -9,8 +9,12 @@ What lives where. For the offloaded part of each layer (its ``offload`` fraction
 :func:`~nbtrain.run.offload.split.cut_layer`): an fp32 master copy (a tensor of its own, whatever the parameter's
 dtype: bf16 compute copies work), AdamW's two moments and its step count, on the CPU (pinned when a GPU exists).
 The rest is updated on the device by the same fused AdamW (through an fp32 master there when the parameter is not
-fp32). Gradients reach the CPU as backward produces them: from a GPU, copied asynchronously into pinned buffers;
-already in host memory (a CPU-only run), read where they are, as a DMA engine would, not the device's cores.
+fp32). Gradients reach the CPU as backward produces them: from a GPU, copied into pinned buffers on a copy stream
+of their own, which waits for backward's kernels so far and then runs beside the next ones (an event on it tells the
+CPU worker when a layer's gradients are in host memory; the gradient's memory is recorded on that stream so the
+allocator does not reuse it before the copy has read it); already in host memory (a CPU-only run), read where they
+are, as a DMA engine would, not the device's cores. The new weights go back to a GPU on the compute stream, from
+pinned memory without blocking, just before the forward that needs them: that forward could not start earlier.
 
 Schedules. ``"overlap"`` (CoTrain): a post-accumulate-grad hook hands each parameter's gradient over as backward
 produces it; when all of a layer's offloaded gradients are in, its update is queued to ONE worker thread, which

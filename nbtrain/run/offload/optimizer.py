@@ -73,6 +73,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._layer_of += [li] * len(g["params"])
             self._layers.append(Layer(li, pieces))
         self._norm_groups = [shard_groups(p) for p in self._params]
+        on_gpu = next((local_shard(p).device for p in self._params if local_shard(p).is_cuda), None)
+        self._copy_stream = torch.cuda.Stream(on_gpu) if on_gpu is not None else None
+        """The stream a GPU's gradients leave on for the host, beside backward's kernels (CoTrain's transfer
+        overlapped with compute); None when the parameters are in host memory."""
         self._cpu_pieces_of = {i: [pc for pc in pcs if pc.on_cpu] for i, pcs in enumerate(self._pieces_of)
                                if any(pc.on_cpu for pc in pcs)}
         self._lock, self._executor, self._closed, self._sync, self._ddp = threading.Lock(), None, False, True, False
@@ -151,17 +155,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
         layer = self._layers[self._layer_of[index]]
         if layer in self._pending:  # no forward reached it (hooks on other modules)
             self._land(layer)
+        if grad.is_cuda:  # the copies start once backward's kernels so far (which made this gradient) are done
+            self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
         for pc in self._cpu_pieces_of[index]:
             g = pc.view(grad)
-            if g.is_cuda:  # the transfer, into pinned memory, asynchronous: the worker waits for layer.event
+            if g.is_cuda:  # the transfer, into pinned memory, on the copy stream: the worker waits for layer.event
                 if pc.host_grad is None:
-                    pc.host_grad = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
-                pc.grad = pc.host_grad.copy_(g, non_blocking=True)
-            else:  # already in host memory, and final until the next backward, which step() keeps it from
-                pc.grad = g
+                    pc.host_grad = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=True)
+                with torch.cuda.stream(self._copy_stream):
+                    pc.grad = pc.host_grad.copy_(g, non_blocking=True)
+                    if self.clip_norm is not None:
+                        pc.norm = torch.linalg.vector_norm(g)
+                        pc.norm_host = pc.norm.to("cpu", non_blocking=True)
+                # the allocator must not give the gradient's memory to backward's stream before the copy has read it
+                g.record_stream(self._copy_stream)
+                continue
+            # already in host memory, and final until the next backward, which step() keeps it from
+            pc.grad = g
             if self.clip_norm is not None:
-                pc.norm = torch.linalg.vector_norm(g)
-                pc.norm_host = pc.norm.to("cpu", non_blocking=True) if g.is_cuda else pc.norm
+                pc.norm = pc.norm_host = torch.linalg.vector_norm(g)
         with self._lock:
             if index in layer.arrived:
                 raise InvalidArgumentError(
@@ -172,7 +184,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if layer.arrived == layer.cpu_params and not layer.futures:
                 if grad.is_cuda:  # the worker waits for the copies (and norms) to land on the host
                     layer.event = torch.cuda.Event()
-                    layer.event.record()
+                    layer.event.record(self._copy_stream)
                 if submit and self.schedule == "overlap":
                     self._submit(layer, "final" if self.clip_norm is None else "speculative")
                     self._queued.append(layer)
@@ -227,6 +239,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for i in sorted(layer.cpu_params - layer.arrived):
                 if self._params[i].grad is not None:
                     self._grad_arrived(i, self._params[i].grad, submit=False)
+        if self._copy_stream is not None:  # the offloaded pieces' norms were computed on the copy stream
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
         device = [pc for layer in self._layers for pc in layer.device if pc.param.grad is not None]
         device_grads = [pc.view(pc.param.grad) for pc in device]
         scale = None
@@ -254,7 +268,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._submit(layer, "resolve", cpu_scale)
         started = perf_counter()
         if scale is not None and device_grads:
-            torch._foreach_mul_(device_grads, scale)
+            torch._foreach_mul_(device_grads, scale.to(device_grads[0].device))
         by_group: dict = {}
         for pc, g in zip(device, device_grads):
             group = self.param_groups[self._layer_of[pc.index]]

@@ -38,7 +38,9 @@ class Piece:
         self.host_grad = self.grad = None
         self.separate = self.on_cpu or p.dtype != torch.float32
         if self.on_cpu:
-            self.tensor = torch.empty(source.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+            # pinned when the parameter is on a GPU: the copies back to it are then asynchronous
+            self.tensor = torch.empty(source.shape, dtype=torch.float32, device="cpu",
+                                      pin_memory=source.is_cuda)
             self.tensor.copy_(source)
         elif p.dtype == torch.float32:
             self.tensor = source  # updated in place
@@ -168,9 +170,9 @@ def global_norm(norms: list[list[torch.Tensor]], groups: list[tuple], devices: l
     of parameter, the parameters being the same everywhere)."""
     sums: dict[tuple, torch.Tensor] = {}
     for piece_norms, key, device in zip(norms, groups, devices):
-        square = torch.stack(piece_norms).float().square().sum() if piece_norms else torch.zeros(())
+        square = torch.stack(piece_norms).float().square().sum() if piece_norms else torch.zeros((), device=device)
         sums[key] = sums.get(key, 0) + square.to(device)
-    total = torch.zeros(())
+    total = torch.zeros((), device="cpu")  # the norm is read on the host
     for key, square in sums.items():
         for group in key:  # a sum over each sharding dimension in turn is the sum over all of them
             dist.all_reduce(square, group=group)
@@ -185,7 +187,9 @@ def _whole(pieces, name: str, param: torch.Tensor) -> torch.Tensor:
     """One parameter's state tensor ``name``, its pieces joined, shaped like the parameter (its local shard), on
     the CPU."""
     flat = [getattr(pc, name).detach().reshape(-1).to("cpu", torch.float32) for pc in pieces]
-    return torch.cat(flat).view(local_shard(param).shape).clone() if flat else torch.zeros(local_shard(param).shape)
+    if not flat:
+        return torch.zeros(local_shard(param).shape, device="cpu")
+    return torch.cat(flat).view(local_shard(param).shape).clone()
 
 
 def save_state(opt) -> dict:
@@ -193,7 +197,7 @@ def save_state(opt) -> dict:
         raise InvalidArgumentError("state_dict() during a step: call it between step() and the next backward")
     state = {}
     for i, (p, pieces) in enumerate(zip(opt._params, opt._pieces_of)):
-        state[i] = {"step": pieces[0].step.detach().to("cpu").clone() if pieces else torch.zeros(()),
+        state[i] = {"step": pieces[0].step.detach().to("cpu").clone() if pieces else torch.zeros((), device="cpu"),
                     "exp_avg": _whole(pieces, "exp_avg", p), "exp_avg_sq": _whole(pieces, "exp_avg_sq", p),
                     "master": _whole(pieces, "tensor", p)}
     groups, start = [], 0
@@ -218,9 +222,9 @@ def load_state(opt, state_dict: dict) -> None:
                 raise InvalidArgumentError(f"parameter {i}: {name} of shape {tuple(entry[name].shape)} in the state "
                                            f"dict, {tuple(p.shape)} here")
         master = entry.get("master", p.detach()).reshape(-1)
-        zeros = torch.zeros(p.numel())
+        zeros = torch.zeros(p.numel(), device="cpu")
         for pc in pieces:
-            pc.step.copy_(entry.get("step", torch.zeros(())))
+            pc.step.copy_(entry.get("step", torch.zeros((), device="cpu")))
             pc.exp_avg.copy_(pc.view(entry.get("exp_avg", zeros).reshape(p.shape)))
             pc.exp_avg_sq.copy_(pc.view(entry.get("exp_avg_sq", zeros).reshape(p.shape)))
             pc.tensor.copy_(pc.view(master.view(p.shape)))
