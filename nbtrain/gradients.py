@@ -33,7 +33,10 @@ def clip_grad_norm(parameters, max_norm: float, pipeline_group=None, counted_els
     skip = {id(p) for p in counted_elsewhere}
     counted = group_by_kind([p.grad for p in parameters if p.grad is not None and id(p) not in skip]) if skip \
         else groups
-    square = torch.zeros((), dtype=torch.float64)
+    # on the gradients' device: a pipeline's sum below is a collective over NCCL there
+    first = next((g for grads in groups for g in grads), None)
+    device = first.to_local().device if isinstance(first, DTensor) else first.device if first is not None else None
+    square = torch.zeros((), dtype=torch.float64, device=device)
     for grads in counted:
         norm = torch.nn.utils.get_total_norm(grads)
         square += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2

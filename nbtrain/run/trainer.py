@@ -16,7 +16,6 @@ Gradient clipping uses the norm over every parameter of the model, whatever mesh
 from __future__ import annotations
 
 import math
-import resource
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ from nbtrain.gradients import clip_grad_norm
 from nbtrain.profiler.trace import call_model
 from nbtrain.run.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
-from nbtrain.run.parallel.mesh import PlanMeshes, device_type
+from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.placement import peak_memory, reset_peak_memory, synchronize, to_device
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,6 @@ def _numel(targets) -> int:
     return targets.numel() if isinstance(targets, torch.Tensor) else -1
 
 
-def peak_memory() -> int:
-    """Peak allocated device memory (CUDA), or this process's peak resident memory on the CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def progress_bar(steps: int, done: int = 0):
     """A text progress bar over ``steps`` training steps (from ``done``), or None under NBTRAIN_NONINTERACTIVE."""
     import os
@@ -128,10 +121,12 @@ class Trainer:
             raise InvalidArgumentError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
         self.model, self.plan, self.meshes, self.optimizer = model, plan, meshes, optimizer
+        self.device = meshes.device
+        """Where this rank computes: each micro-batch is moved there on the way in (:mod:`nbtrain.run.placement`)."""
         self.loss_fn, self.clip_norm = loss_fn, clip_norm
         # bf16: compute in bf16 under autocast, weights and optimizer state stay fp32 (the master copy), and FSDP2
         # reduces gradients in fp32 (its default for fp32 parameters)
-        self.autocast = torch.autocast(device_type=device_type(), dtype=torch.bfloat16, enabled=precision == "bf16")
+        self.autocast = torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
         self.steps_done = 0
         from nbtrain.run.offload.optimizer import OffloadedAdamW
@@ -194,6 +189,7 @@ class Trainer:
         Inputs are token ids, or any tensor, tuple or dict of tensors (:mod:`nbtrain.run.batches`); targets any
         of those, or None."""
         started = time.perf_counter()
+        reset_peak_memory(self.device)
         tokens = ids.numel() if is_token_ids(ids) else batch_shape(ids)[0]  # tokens, or samples
         total_counted = counted_targets(targets)
         # only where the counts differ between micro-batches: otherwise every share is 1/m, exactly as before
@@ -201,7 +197,9 @@ class Trainer:
             else None
         first = self.plan.stage_ranges()[self.meshes.stage][0]
         ids, targets = self._local_batch(ids, first), self._local_batch(targets, self.plan.num_layers - 1)
-        saved = None if torch.cuda.is_available() else SavedActivations(exclude=self.model.parameters())
+        ids, targets = to_device((ids, targets), self.device)  # only this rank's rows travel
+        # on a GPU the allocator's peak counts the tensors; the CPU has no allocator to ask
+        saved = None if self.device.type == "cuda" else SavedActivations(exclude=self.model.parameters())
         with saved.hooks() if saved is not None else nullcontext():
             total = self._forward_backward(ids, targets)
         per_stage = self.plan.devices_per_stage if self.pipeline is not None else dist.get_world_size()
@@ -215,7 +213,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.steps_done += 1
             seconds = time.perf_counter() - started
-            return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(), None, skipped=True)
+            return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(self.device), None,
+                              skipped=True)
         if self.offloaded:  # it clips itself, exactly: its CPU updates started during backward (run/offload/optimizer.py)
             self.optimizer.step()
             norm = self.optimizer.last_grad_norm if self.clip_norm else None
@@ -224,14 +223,16 @@ class Trainer:
             norm = clip_grad_norm(list(self.model.parameters()), self.clip_norm, pp_group, shared) \
                 if self.clip_norm else None
             self.optimizer.step()
-        tensors = torch.cuda.max_memory_allocated() if saved is None else \
+        tensors = torch.cuda.max_memory_allocated(self.device) if saved is None else \
             state_bytes(self.model, self.optimizer) + saved.peak
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        synchronize(self.device)  # the step's end is its last kernel's, not the host's
         seconds = time.perf_counter() - started
         self.steps_done += 1
-        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(), norm, tensor_bytes=tensors)
+        return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(self.device), norm,
+                          tensor_bytes=tensors)
 
     def _forward_backward(self, ids, targets) -> torch.Tensor:
         """Forward and backward of this rank's share of the batch: the loss it holds (zero where it holds none)."""
@@ -240,7 +241,7 @@ class Trainer:
                 loss = self.pipeline.step(ids, targets)
             # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
             # held by its D / dp tensor-parallel ranks: the sum over the world / D is the mean over the slices
-            return loss if loss is not None else torch.zeros(())
+            return loss if loss is not None else torch.zeros((), device=self.device)
         return self._accumulate(ids, targets)
 
     def _gradient_sync(self, enabled: bool):
@@ -261,7 +262,7 @@ class Trainer:
     def _accumulate(self, ids, targets) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradients accumulated; returns the mean loss of the rows."""
         m = self.plan.microbatches
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(chunk_rows(ids, m), chunk_rows(targets, m))):
             with self._gradient_sync(i == m - 1), self.autocast:
                 loss = self.loss_fn(call_model(self.model, x, self.forward_kwargs), y) * self._share(y)

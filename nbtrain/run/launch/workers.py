@@ -268,6 +268,8 @@ def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
     import torch
     import torch.distributed as dist
 
+    from nbtrain.run.placement import strict_placement  # torch: here, as above, not when nbtrain.launch is imported
+
     created = not dist.is_initialized()
     if created:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -283,7 +285,8 @@ def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
                               f"{world_size}: the workers did not form one group (on a machine without a GPU, "
                               "ACCELERATE_USE_CPU=1 must be set before launching)")
         try:
-            result = fn(*args, **kwargs)
+            with strict_placement():
+                result = fn(*args, **kwargs)
         except SystemExit as stop:
             if exit_status(stop) != 0:  # a failure of this rank: the launch names it with its status
                 raise

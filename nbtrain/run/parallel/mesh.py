@@ -7,8 +7,8 @@
 Layers may choose different degrees (``dp_shard=4`` here, ``dp_shard=2 tp=2`` there) over the same devices of a
 stage, so each distinct layout gets its own world mesh ``(pp, dp_replicate, dp_shard, tp)``. Creating a mesh is
 collective (every rank creates every process group), so all of them are built up front, in the plan's layer order,
-by every rank; a layer then uses its stage's slice. The device type is chosen at start: CUDA (NCCL) where present,
-the CPU (gloo) otherwise.
+by every rank; a layer then uses its stage's slice. The meshes are on this rank's device
+(:func:`~nbtrain.run.placement.rank_device`): CUDA under NCCL, the CPU under gloo.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
+from nbtrain.run.placement import rank_device
 
 AXES = ("dp_replicate", "dp_shard", "tp")
 
@@ -34,11 +35,6 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def device_type() -> str:
-    """``cuda`` when this process has a GPU, else ``cpu``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class PlanMeshes:
     """The meshes a plan needs in this process: one per (stage, layout), over the stage's ranks."""
 
@@ -50,12 +46,14 @@ class PlanMeshes:
                 f"{plan.num_devices} processes, or scale the plan to {world} devices")
         self.plan = plan
         self.rank = dist.get_rank()
+        self.device = rank_device()
+        """This rank's device: every tensor the plan computes on is there (:mod:`nbtrain.run.placement`)."""
         self.stage = self.rank // plan.devices_per_stage
         self._worlds: dict[tuple[int, int, int], DeviceMesh] = {}
         for s in plan.layers:  # the same order on every rank: mesh creation is collective
             shape = (s.dp_replicate, s.dp_shard, s.tp)
             if shape not in self._worlds:
-                self._worlds[shape] = init_device_mesh(device_type(), (plan.pp, *shape),
+                self._worlds[shape] = init_device_mesh(self.device.type, (plan.pp, *shape),
                                                        mesh_dim_names=("pp", *AXES))
 
         # one group per stage, created by every rank in the same order (new_group is collective)

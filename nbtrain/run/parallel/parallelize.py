@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -36,6 +35,7 @@ from nbtrain.models.tensor_parallel import style_for
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.placement import place_module
 from nbtrain.run.parallel.relayout import add_relayout
 from nbtrain.run.parallel.traced_stages import traced_stage, write_back
 
@@ -66,8 +66,9 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             if s.ac:
                 _checkpoint(layers[i])
         group = meshes.for_strategy(plan.layers[0])["dp_replicate"].get_group()
-        device = [torch.cuda.current_device()] if torch.cuda.is_available() else None
-        return DistributedDataParallel(model, device_ids=device, process_group=group)
+        place_module(model, meshes.device)  # DDP takes a module already on its device, and broadcasts from there
+        device_ids = [meshes.device.index] if meshes.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
     start, end = plan.stage_ranges()[meshes.stage]
     last = plan.num_layers - 1
     traced = None
@@ -115,7 +116,25 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             retie(ties, to="last")
     if plan.pp == 1 and plan.num_layers > 1:  # a pipeline stage's root is its stage module (pipeline.py)
         add_fsdp_root(model, layers, plan, meshes, policy)
+    _place_stage(model, layers, traced, plan, meshes)
     return model
+
+
+def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: PlanMeshes) -> None:
+    """Put what this rank computes on its device once the plan is applied (FSDP2 and DTensor placed their own
+    shards): the whole model when it is one stage; in a pipeline only this stage's layers (the other stages'
+    stay in host memory, never on this GPU), or the traced stage's module less the copies it does not use."""
+    if plan.pp == 1:
+        place_module(model, meshes.device)
+        return
+    start, end = plan.stage_ranges()[meshes.stage]
+    mine = [slot_module(parent, attr) for i in range(start, end) for parent, attr in layers[i]]
+    if traced is None:
+        for module in mine:
+            place_module(module, meshes.device)
+        return
+    used = {id(p) for module in mine for p in module.parameters()}
+    place_module(traced.module, meshes.device, skip={p for p in traced.module.parameters() if id(p) not in used})
 
 
 def _checkpoint(slots) -> None:

@@ -34,7 +34,7 @@ from nbtrain.models.stages import stage_layers
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.trace import call_arguments
 from nbtrain.run.batches import chunk_rows
-from nbtrain.run.parallel.mesh import PlanMeshes, device_type, local_shard
+from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.run.parallel.parallelize import add_fsdp_root
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -60,8 +60,7 @@ class PipelineRunner:
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, loss_fn: Callable):
         start, end = plan.stage_ranges()[meshes.stage]
         description = described(model)
-        device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else \
-            torch.device("cpu")
+        device = meshes.device  # the stage's send and receive buffers are allocated there
         group = meshes.pp_mesh().get_group()
         self.traced = model.__dict__.get("_nbtrain_traced")  # parallelize traced and sharded it (traced_stages.py)
         if self.traced is not None:

@@ -83,7 +83,7 @@ def _local_indices(t: DTensor) -> list[torch.Tensor]:
     for dim, size in enumerate(t.shape):
         shape = [1] * t.ndim
         shape[dim] = size
-        index = torch.arange(size).reshape(shape)
+        index = torch.arange(size, device="cpu").reshape(shape)  # metadata, read on the host
         for mesh_dim, placement in enumerate(t.placements):
             if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim:
                 shards, _ = placement._split_tensor(index, mesh.size(mesh_dim), with_padding=False)

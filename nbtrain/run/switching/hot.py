@@ -53,6 +53,7 @@ from nbtrain.planner.strategy import Strategy
 from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.models.description import layer_slots
 from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
+from nbtrain.run.placement import reset_peak_memory, synchronize, to_device
 from nbtrain.run.switching.reshard import Resharding
 from nbtrain.gradients import clip_grad_norm, group_by_kind
 from nbtrain.profiler.segments import first_tensor
@@ -185,6 +186,8 @@ class HotSwitching:
         self.layouts = {key: _Layout(build, dataclasses.replace(key, ac=checkpointed[key]), seed) for key in order}
         self.strategy_of, self.layout_of = by_bound, layout_of
         self.home = self.layouts[home]
+        self.device = self.home.meshes.device
+        """Where this rank computes (every layout's shards, each bucket's rows, the switches' buffers)."""
         self.clip_norm, self.steps_done = clip_norm, 0
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
         forward = getattr(self.home.model, "forward", None)
@@ -241,7 +244,7 @@ class HotSwitching:
         tokens = sum(counted.values())
         if tokens == 0:
             raise InvalidArgumentError("the step has no target token (every target is -100)")
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         seconds, switches, memory = {}, [], {}
         if self.offloaded:
             self.optimizer.synchronize()  # the last step's CPU updates, before the weights leave home
@@ -259,11 +262,15 @@ class HotSwitching:
             for i, bucket in enumerate(mine):
                 t0 = time.perf_counter()
                 set_checkpointing(layout.model, self.strategy_of[bucket.bound].ac)
+                reset_peak_memory(self.device)
                 saved = SavedActivations(exclude=layout.params)
                 with saved.hooks():
                     loss += self._bucket(layout, bucket, tokens, last=i == len(mine) - 1, away=away)
+                synchronize(self.device)
                 seconds[bucket.bound] = time.perf_counter() - t0
-                memory[bucket.bound] = self._resident_bytes() + saved.peak
+                # a GPU's allocator knows the peak; on the CPU the tensors are counted (tensor_memory.py)
+                memory[bucket.bound] = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" \
+                    else self._resident_bytes() + saved.peak
             if away:
                 self._add_gradients(strategy, layout)
                 switches.append(MeasuredSwitch("gradients", str(strategy), self._back[strategy].seconds,
@@ -285,6 +292,7 @@ class HotSwitching:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        synchronize(self.device)
         return dataclasses.replace(record, seconds=time.perf_counter() - started, grad_norm=norm)
 
     def _resident_bytes(self) -> int:
@@ -299,9 +307,10 @@ class HotSwitching:
         parts = [layout.rows(_padded(bucket.ids, multiple, 0)), layout.rows(_padded(bucket.targets, multiple, -100))]
         if self.takes_doc_ids and getattr(bucket, "doc_ids", None) is not None:
             parts.append(layout.rows(_padded(bucket.doc_ids, multiple, -1)))
+        parts = to_device(parts, self.device)  # only this rank's rows travel
         pieces = list(zip(*(t.split(r) if r else (t,) for t in parts)))
         offloaded = self.optimizer if self.offloaded and not away else None
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, piece in enumerate(pieces):
             with gradient_sync(layout.wrapped, last and k == len(pieces) - 1, offloaded):
                 total += self._forward_backward(layout, *piece, tokens=tokens)

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from nbtrain.run.placement import synchronize
+
 Box = tuple[tuple[int, int], ...]
 """Per dimension ``(start, stop)`` of a tensor's global index space."""
 
@@ -151,6 +153,7 @@ class Resharding:
                 part = buffers[peer][offset:offset + m.numel].view(target.shape)
                 target.add_(part) if add else target.copy_(part)
                 offset += m.numel
+        synchronize(device)  # NCCL's wait only orders the stream: the time is the copies' end, not their queueing
         self.seconds = time.perf_counter() - start
         self.bytes_received = self.elements_received * dtype.itemsize
 

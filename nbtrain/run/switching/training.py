@@ -25,7 +25,8 @@ from torch import nn
 
 from nbtrain.data import length_batches
 from nbtrain.run.state.checkpoint import Checkpoint
-from nbtrain.run.trainer import StepRecord, peak_memory, progress_bar
+from nbtrain.run.placement import peak_memory
+from nbtrain.run.trainer import StepRecord, progress_bar
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
     for _ in range(switching.steps_done, job.steps):
         record = switching.step(next(batches))
         details.append(record)
-        records.append(step_record(record, peak_memory()))
+        records.append(step_record(record, peak_memory(switching.device)))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record.loss:.4f}")
