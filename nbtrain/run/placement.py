@@ -1,9 +1,11 @@
 """One device per rank, and everything a worker computes on placed through it.
 
-    >>> device = rank_device()                       # cuda:LOCAL_RANK under NCCL; the CPU under gloo
+    >>> device = rank_device()                       # in a worker: cuda:LOCAL_RANK under NCCL, the CPU under gloo
     >>> model = parallelize(model, plan, meshes)     # FSDP2 and DTensor put their shards there; place_module the rest
+    >>> off_device(model, device)                    # every parameter and buffer (its local shard) is there
+    []
     >>> ids, targets = to_device((ids, targets), device)   # from host memory: pinned, then copied without blocking
-    >>> reset_peak_memory(device); ...; peak_memory(device)  # the allocator's peak on a GPU
+    >>> reset_peak_memory(device)                    # each step; peak_memory(device) then reads the allocator's peak
 
 A worker takes its device once, from this module, and passes it on: the mesh's device type, DDP's ``device_ids``, the
 pipeline stage's buffers, the trainer's batches and loss accumulators, the offload's copy stream and the switches'
