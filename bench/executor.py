@@ -91,9 +91,9 @@ def _bare_loop(model, batches, steps: int, wrapping: str, clip: bool) -> list[li
         plan = Plan.parse(wrapping, num_devices=world, num_layers=CONFIG.n_layer + 2, global_batch=BATCH,
                           seq_len=SEQ)
         net = parallelize(model, plan, PlanMeshes(plan))
-    from nbtrain.run.fit import _by_mesh
+    from nbtrain.run.fit_worker import by_mesh
 
-    optimizer = torch.optim.AdamW(_by_mesh(net), lr=LR, fused=True)  # as nbtrain.fit builds it, for both sides
+    optimizer = torch.optim.AdamW(by_mesh(net), lr=LR, fused=True)  # as nbtrain.fit builds it, for both sides
     per_step = []
     for step in range(steps):
         ids, targets = batches[step % len(batches)]

@@ -307,12 +307,20 @@ _windows = [torch.randint(0, 512, (4, 33), generator=_g) for _ in range(3)]
 batches = [(w[:, :-1], w[:, 1:]) for w in _windows]   # "a list of (ids, targets) global batches": 4 rows × 32 tokens
 '''
 
+TINY_LLAMA = '''\
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # a tiny Llama
+LlamaForCausalLM(config).save_pretrained("llama-1b")       # "llama-1b/": a folder save_pretrained wrote
+'''
+
 SECTION_FIXTURES = {
     "In a notebook": "",
     "Profile a model": MY_MODEL,
     "Plan the parallelism": 'import nbtrain\nprof = nbtrain.profile("llama-7b", batch_size=1, seq_len=2048)'
                             '   # "prof from nbtrain.profile(...)"\n',
-    "Run a plan": BATCHES + '''
+    "Run a plan": BATCHES + TINY_LLAMA + '''
 import torch.distributed as dist
 
 
@@ -436,6 +444,20 @@ profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8, device_memory="24GiB")
 ''',
     "nbtrain.run.fit": BATCHES,
+    "nbtrain.run.state.materialize": BATCHES + TINY_LLAMA,
+    "nbtrain.run.state.pretrained": BATCHES + TINY_LLAMA,
+    "nbtrain.run.state.hf_folder": BATCHES + TINY_LLAMA + "model = LlamaForCausalLM(config)\n",
+    "nbtrain.run.fit_worker": BATCHES + '''\
+from nbtrain.models.description import layer_slots
+from nbtrain.planner.plan import Plan
+from nbtrain.profiler.model import lm_loss
+from nbtrain.run.launch.workers import launch
+model = nbtrain.build_preset("gpt-tiny", device="cpu")
+plan = Plan.parse("dp_shard=2", num_devices=2, num_layers=len(layer_slots(model)), global_batch=4, seq_len=32)
+get_batch = batches.__getitem__                           # step -> (ids, targets)
+settings = RunSettings(steps=2, lr=3e-4, clip_norm=1.0, loss_fn=lm_loss, seed=0, progress=False, precision="fp32",
+                       lr_schedule=None, save_dir=None)
+''',
     "nbtrain.profiler.timed": 'model = nbtrain.build_preset("gpt-tiny", device="cpu")\n',
     "nbtrain.run.tensor_memory": 'import torch\n',
 

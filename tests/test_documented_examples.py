@@ -39,6 +39,7 @@ SMALLER = {
     "--processes 4 --steps 5": "--processes 4 --steps 2",
     "-p steps 20": "-p steps 2",
     # Python (README blocks and docstrings)
+    "steps=100": "steps=2",
     "steps=50": "steps=2",
     "steps=20": "steps=2",
     "steps=10": "steps=2",

@@ -114,12 +114,22 @@ class Attention(nn.Module):
         self.k = nn.Linear(config.n_embd, config.kv_heads * config.head_dim, bias=config.bias)
         self.v = nn.Linear(config.n_embd, config.kv_heads * config.head_dim, bias=config.bias)
         self.o = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=config.bias)
+        self.o.residual_projection = True  # GPT._init_weights scales it
         self.rope = config.position == "rope"
         if self.rope:
             # Each block keeps its own (tiny) frequency table so that a block runs alone: a pipeline stage or a
             # checkpointed block needs nothing computed elsewhere.
-            inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.rope_theta = config.rope_theta
+            self.register_buffer("inv_freq", self._inv_freq(self.o.weight.device), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        return 1.0 / self.rope_theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+
+    def reset_parameters(self) -> None:
+        """The RoPE table again, where it is (its projections initialise themselves): a model built on the meta
+        device computes it where it is materialised (nbtrain.run.state.materialize)."""
+        if self.rope:
+            self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -160,6 +170,7 @@ class MLP(nn.Module):
         if self.swiglu:
             self.gate = nn.Linear(config.n_embd, config.hidden, bias=config.bias)
         self.fc2 = nn.Linear(config.hidden, config.n_embd, bias=config.bias)
+        self.fc2.residual_projection = True  # GPT._init_weights scales it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -231,15 +242,14 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.head.lm_head.weight = self.embed.wte.weight
         self.apply(self._init_weights)
-        # GPT-2 paper, section 2.3: scale the residual projections by 1/sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.o.weight", "mlp.fc2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation of one module: N(0, 0.02) weights, zero biases, and the residual projections
+        scaled by 1/sqrt(2 · n_layer) (GPT-2 paper, section 2.3); a model built on the meta device is initialised
+        module by module with it where it is materialised."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -7,22 +7,19 @@
     >>> model                       # now holds the trained weights
 
 ``batches`` is a list (or any re-iterable) of ``(ids, targets)`` global batches, or a function ``step -> batch``.
-Workers are forked by :func:`nbtrain.launch`, so each starts with the parent's model and data; each parallelizes
-its copy, trains, and rank 0 gathers the full state dict, which is loaded back into ``model``.
+Workers are forked by :func:`nbtrain.launch`, so each starts with the parent's model and data; each parallelizes a
+twin of it on the meta device and fills only what its rank holds (:mod:`nbtrain.run.fit_worker`), trains, and rank 0
+gathers the full state dict, which is loaded back into ``model``.
 
 Under ``torchrun`` (or ``accelerate launch``, or in one process) ``fit`` runs in the calling process itself, on each
-rank: it parallelizes a deep copy of ``model`` (parallelizing converts a module in place: FSDP2 changes its class),
-rank 0's gathered weights and FitResult are sent to every rank, and each rank's ``model`` ends holding the trained
-weights, as with the forked launch.
+rank, the same way (the caller's model is read, never converted nor copied whole); rank 0's gathered weights and
+FitResult are sent to every rank, and each rank's ``model`` ends holding the trained weights, as with the forked
+launch.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,140 +36,15 @@ from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.profiler.timed import timed_profile
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
-from nbtrain.run.state.checkpoint import Checkpoint, folder_for_run, with_resume_hint
+from nbtrain.run.state.checkpoint import folder_for_run, with_resume_hint
+from nbtrain.run.state.hf_folder import check_folder, file_of_each_tensor
+from nbtrain.run.state.materialize import check_materializable, has_meta
+from nbtrain.run.state.pretrained import resolve_weights
+from nbtrain.run.state.weights import load_trained
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.fit_result import FitResult
-from nbtrain.run.trainer import StepRecord, check_on_nonfinite, progress_bar
-
-
-@dataclass(frozen=True)
-class _Run:
-    """What every worker needs to know besides the model, plan and data."""
-
-    steps: int
-    lr: float
-    clip_norm: float | None
-    loss_fn: Callable
-    seed: int
-    progress: bool
-    precision: str
-    lr_schedule: Callable[[int], float] | None
-    save_dir: str | None
-    on_nonfinite: str = "stop"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    resume_from: Checkpoint | None = None
-    """The complete checkpoint to go on from."""
-    every_rank: bool = False
-    """Every rank returns rank 0's result (under torchrun each rank is a caller of ``fit``)."""
-    adamw: tuple = ((0.9, 0.999), 1e-8, 0.01, True)
-    """AdamW's ``(betas, eps, weight_decay, decay_norms_and_biases)``."""
-    tp_plan: dict | None = None
-    """The user's tensor-parallel plan (None: the model's own)."""
-    optimizer: Callable | None = None
-    """The user's optimizer factory, called on this rank's parameter groups (None: fused AdamW)."""
-
-
-def _worker(model, plan: Plan, get_batch, run: _Run):
-    """Runs in every process: parallelize, train, then gather the weights to rank 0 or save them sharded."""
-    import torch.distributed as dist
-
-    from nbtrain.run.parallel.mesh import PlanMeshes
-    from nbtrain.run.parallel.parallelize import parallelize
-    from nbtrain.run.trainer import Trainer
-    from nbtrain.run.state.training_state import TrainingState
-    from nbtrain.run.state.weights import gather_trained, save_trained, trained_prefixes
-
-    torch.manual_seed(run.seed)
-    model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
-    meshes = PlanMeshes(plan)
-    mine = trained_prefixes(model, plan, meshes.stage)
-    example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None
-    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example)
-    if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
-        from nbtrain.run.offload.optimizer import OffloadedAdamW
-
-        betas, eps, decay, _ = run.adamw
-        optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
-                                              weight_decay=decay)
-    elif run.optimizer is not None:
-        optimizer = run.optimizer(_by_mesh(model))
-    else:
-        # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
-        # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
-        betas, eps, _, _ = run.adamw
-        optimizer = torch.optim.AdamW(_decay_groups(_by_mesh(model), run.adamw), lr=run.lr, betas=betas, eps=eps,
-                                      fused=True)
-    trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
-                      lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
-    rank0 = dist.get_rank() == 0
-    records = _train(trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
-    if hasattr(optimizer, "close"):
-        optimizer.close()  # lands the last step's CPU updates, which completes its trace
-    trace = getattr(optimizer, "last_trace", None)
-    if run.save_dir is not None:
-        save_trained(model, mine, run.save_dir)
-        result = (records, None, trace) if rank0 else None
-    else:
-        state = gather_trained(model, plan, mine)
-        result = (records, state, trace) if rank0 else None
-    if run.every_rank and dist.get_world_size() > 1:
-        sent = [result]
-        dist.broadcast_object_list(sent, src=0)
-        result = sent[0]
-    return result
-
-
-def _train(trainer, state, plan: Plan, get_batch, run: _Run, rank0: bool) -> list[StepRecord]:
-    """The step loop, from a checkpoint when resuming, saving one every ``checkpoint_every`` steps and at the end;
-    returns every step's record (a resumed run's earlier ones first)."""
-    import torch.distributed as dist
-
-    from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
-
-    records = []
-    if run.resume_from is not None:
-        progress = run.resume_from.load(state)
-        trainer.restore_progress(progress.step, progress.schedule_epoch)
-        records = progress.records
-    folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
-    bar = progress_bar(run.steps, trainer.steps_done) if run.progress and rank0 else None
-    for step in range(trainer.steps_done, run.steps):
-        record = trainer.step(*get_batch(step))
-        records.append(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{record.loss:.4f}")
-        done = trainer.steps_done
-        if folder is not None and (done == run.steps or (run.checkpoint_every and done % run.checkpoint_every == 0)):
-            started = time.perf_counter()
-            folder.save(state, Progress(done, trainer.schedule_epoch, records=records, plan=str(plan),
-                                        num_processes=dist.get_world_size(), **Progress.random_states()))
-            records[-1] = dataclasses.replace(record, checkpoint_s=time.perf_counter() - started)
-    if bar is not None:
-        bar.close()
-    return records
-
-
-def _by_mesh(model: nn.Module) -> list[dict]:
-    """Parameter groups of one kind each: plain tensors, and DTensors per mesh (a fused kernel takes one kind)."""
-    from nbtrain.gradients import group_by_kind
-
-    return [{"params": params} for params in group_by_kind(list(model.parameters()))]
-
-
-def _decay_groups(groups: list[dict], adamw: tuple) -> list[dict]:
-    """``groups`` with AdamW's weight decay, the norms' weights and the biases (the 1-D parameters) in groups of their
-    own without it when ``decay_norms_and_biases`` is false (as GPT-2's, LLaMA's and most training recipes do)."""
-    _, _, decay, decay_1d = adamw
-    if decay_1d:
-        return [{**g, "weight_decay": decay} for g in groups]
-    out = []
-    for g in groups:
-        matrices, vectors = [p for p in g["params"] if p.ndim >= 2], [p for p in g["params"] if p.ndim < 2]
-        out += [{"params": matrices, "weight_decay": decay}] if matrices else []
-        out += [{"params": vectors, "weight_decay": 0.0}] if vectors else []
-    return out
+from nbtrain.run.fit_worker import RunSettings, fit_worker
+from nbtrain.run.trainer import check_on_nonfinite
 
 
 def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, global_batch: int,
@@ -220,7 +92,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         checkpoint_every: int | None = None, resume: bool = False, betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True,
         accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None,
-        tokens_per_step: int | None = None, bounds=None, memory=None) -> FitResult:
+        tokens_per_step: int | None = None, bounds=None, memory=None, init_fn: Callable | None = None,
+        weights=None, save_pretrained=None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -250,6 +123,18 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     styles, ``{"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}``, :mod:`nbtrain.models.tensor_parallel`)
     splits a model that carries no tensor-parallel plan of its own.
 
+    A model built on the meta device (``with torch.device("meta"): model = LlamaForCausalLM(config)``) takes no
+    memory in the notebook: each worker allocates only what its rank holds and initialises it with the model's own
+    initialisation (``reset_parameters``, and ``_init_weights`` as transformers' models and nbtrain's GPT have it),
+    or ``init_fn(module)``, each module under ``seed`` and its name, so every plan starts from the same weights as
+    one process (:mod:`nbtrain.run.state.materialize`); the trained weights then take the meta tensors' place.
+    ``weights`` (a folder: ``save_pretrained``'s safetensors, or a DCP checkpoint; or a
+    :class:`~nbtrain.run.state.pretrained.Weights` with a ``key_mapping``) is where the run starts from, each rank
+    reading only what it holds, checked against the model before anything starts. ``save_pretrained`` (a folder)
+    writes the trained model there as a Hugging Face folder that ``from_pretrained`` loads, every rank its part
+    (:mod:`nbtrain.run.state.hf_folder`); a model built on meta then gets no weights back in the notebook (the
+    result names the folder).
+
     ``data`` may also be *documents*: token sequences of any length (1-D tensors, lists of ints, ``datasets`` rows
     with ``input_ids``). Each step then takes ``tokens_per_step`` tokens of them (default 8 rows of the longest
     bound), bucketed by length into rows of ``bounds`` (powers of two; default from 256 to the model's context);
@@ -271,7 +156,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
 
         given = {"loss_fn": loss_fn is not lm_loss, "precision": precision != "fp32", "accumulate": accumulate != 1,
                  "optimizer": optimizer is not None, "tp_plan": tp_plan is not None, "save_dir": save_dir is not None,
-                 "decay_norms_and_biases": not decay_norms_and_biases}
+                 "decay_norms_and_biases": not decay_norms_and_biases, "weights": weights is not None,
+                 "save_pretrained": save_pretrained is not None, "init_fn": init_fn is not None}
         return fit_documents(model, data, plan=plan, steps=steps, num_processes=num_processes, lr=lr,
                              lr_schedule=lr_schedule, clip_norm=clip_norm, seed=seed, cluster=cluster,
                              progress=progress, timeout=timeout, on_nonfinite=on_nonfinite,
@@ -302,6 +188,9 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         raise InvalidArgumentError(f"a pipeline (pp={plan.pp}) of {type(model).__name__} passes one tensor from stage "
                                    f"to stage, but the batches' inputs are a {type(ids).__name__}; give the inputs "
                                    "as one tensor, or plan with pp=1")
+    check_materializable(model, init_fn, traced)
+    starting = None if weights is None else resolve_weights(weights, model)  # before anything is launched
+    hf_folder = None if save_pretrained is None else check_folder(save_pretrained)
     if traced:  # refused here, before the workers: a model that cannot be traced, or cut where its stages begin
         check_traceable(model, description, plan, example_microbatch(ids, plan, 0))
     num_processes = num_processes or plan.num_devices
@@ -333,10 +222,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         first = get_batch(0)  # a model without token ids is profiled on inputs shaped like its batches
         inputs = None if is_token_ids(first[0]) else inputs_like(first)
         workload = dict(seq_len=length, inputs=inputs, loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
-        if cluster.source != "catalog" and cluster.device == "cpu":  # this machine: time it as the workers will
+        timed = cluster.source != "catalog" and not has_meta(model)  # a meta model has no weights to time here
+        if timed and cluster.device == "cpu":  # this machine: time it as the workers will
             cluster = cluster.with_links(num_processes) if num_processes > 1 else cluster
             prof = timed_profile(model, batch_size=per_device_batch(plan), **workload)
-        elif cluster.source != "catalog" and torch.cuda.is_available() and runs_in_this_process(num_processes):
+        elif timed and torch.cuda.is_available() and runs_in_this_process(num_processes):
             # this machine's GPU, timed there with CUDA events (a forked launch cannot: CUDA must not be initialised
             # in the process that forks, so it is priced from the datasheet and the calibration)
             prof = timed_profile(model, batch_size=per_device_batch(plan), device="cuda",
@@ -346,25 +236,28 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         prediction = estimate(plan, prof, cluster)
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)
-    run = _Run(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
+    run = RunSettings(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,
                None if save_dir is None else str(Path(save_dir).resolve()), on_nonfinite,
                None if folder is None else str(folder.path), checkpoint_every, start,
-               every_rank=launched_externally(), adamw=adamw, tp_plan=tp_plan, optimizer=optimizer)
+               every_rank=launched_externally(), adamw=adamw, tp_plan=tp_plan, optimizer=optimizer, init_fn=init_fn,
+               weights=starting, save_pretrained=hf_folder,
+               files=None if hf_folder is None else file_of_each_tensor(model),
+               gather=not (hf_folder is not None and has_meta(model)))
     here = runs_in_this_process(num_processes)
-    # Forked workers each parallelize their own copy of the model. Run here, the worker would convert the caller's
-    # model in place (FSDP2 swaps its class, TP its parameters for DTensors), which then cannot take the gathered
-    # weights back: it gets a copy, and seeds the RNG of its own (a forked run leaves the caller's alone).
-    trained = copy.deepcopy(model) if here else model
+    # Each worker trains a meta twin of the model, filled from this one (run/state/materialize.py): run here too,
+    # the caller's model is only read, never converted in place (FSDP2 swaps a module's class, TP its parameters
+    # for DTensors) nor copied whole; it seeds the RNG of its own (a forked run leaves the caller's alone).
     try:
         with torch.random.fork_rng(devices=[]) if here else nullcontext():
-            records, state, trace = launch(_worker, trained, plan, get_batch, run, num_processes=num_processes,
-                                           timeout=timeout)
+            records, state, trace, peaks = launch(fit_worker, model, plan, get_batch, run,
+                                                         num_processes=num_processes, timeout=timeout)
     except (LaunchError, KeyboardInterrupt) as error:
         if folder is None:
             raise
         raise with_resume_hint(error, folder, steps) from None
     if state is not None:
-        model.load_state_dict(state)
+        load_trained(model, state)
     latest = folder.latest() if folder is not None else None
     return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
-                     0 if start is None else start.step, None if latest is None else str(latest.path))
+                     0 if start is None else start.step, None if latest is None else str(latest.path),
+                     rank_memory=peaks, save_pretrained=hf_folder)

@@ -25,6 +25,7 @@ from nbtrain.planner.plan import Plan
 from nbtrain.run.batches import model_vocab_size
 from nbtrain.run.fit_result import FitResult
 from nbtrain.run.state.checkpoint import folder_for_run, with_resume_hint
+from nbtrain.run.state.weights import load_trained
 from nbtrain.run.switching.planned import DocumentPlan, plan_documents
 from nbtrain.run.switching.training import DocumentsJob, train_documents
 from nbtrain.table import Table
@@ -155,7 +156,7 @@ def fit_documents(model: nn.Module, documents, *, plan, steps: int, num_processe
             raise
         raise with_resume_hint(error, folder, steps) from None
     if state is not None:
-        model.load_state_dict(state)
+        load_trained(model, state)
     home = Plan(num_devices=num_processes, layers=(layout.home,))  # the layout the weights are trained in
     predicted = layout.predicted
     latest = folder.latest() if folder is not None else None

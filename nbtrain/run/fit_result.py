@@ -38,6 +38,16 @@ class FitResult:
     steps too, as the earlier run measured them."""
     checkpoint: str | None = None
     """The last complete checkpoint in ``checkpoint_dir`` after the run, when checkpoints were asked for."""
+    save_pretrained: str | None = None
+    """The Hugging Face folder the trained model was written to (``from_pretrained`` loads it), when asked for."""
+    rank_memory: list | None = None
+    """Each rank's ``(before, during)`` peak memory: once its part of the model was allocated and filled, before the
+    first step, and during training (the allocator's peak on a GPU, the process's peak resident memory on the CPU)."""
+
+    @property
+    def materialize_peak_bytes(self) -> int | None:
+        """Rank 0's peak memory once its part of the model was in place, before the first step."""
+        return self.rank_memory[0][0] if self.rank_memory else None
 
     @property
     def losses(self) -> list[float]:
@@ -75,6 +85,11 @@ class FitResult:
         if cpu:
             t.footer.append(f"resident: {format_bytes(max(r.peak_memory_bytes for r in self.records))} at the peak "
                             "(rank 0's process, torch itself included)")
+        if self.rank_memory:
+            ranks = " · ".join(f"rank {i} {format_bytes(before)} / {format_bytes(during)}"
+                               for i, (before, during) in enumerate(self.rank_memory))
+            t.footer.append(f"peak memory once the model is in place / during training ("
+                            f"{'each process, resident' if cpu else 'each allocator'}): {ranks}")
         if self.resumed_at:
             t.footer.append(f"resumed after step {self.resumed_at}: the steps up to it were measured by the run "
                             "that saved the checkpoint")
@@ -84,6 +99,10 @@ class FitResult:
                             f"(median; not in the step times); last: {self.checkpoint}")
         elif self.checkpoint:
             t.footer.append(f"last checkpoint: {self.checkpoint}")
+        if self.save_pretrained:
+            where = "" if self.state_dict else " (not gathered into the notebook: the model was built on meta)"
+            t.footer.append(f"trained model written as a Hugging Face folder in {self.save_pretrained}{where}; "
+                            "AutoModel...from_pretrained(folder) loads it")
         if self.save_dir:
             t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "
                             "load them with nbtrain.run.state.weights.load_saved(model, save_dir)")

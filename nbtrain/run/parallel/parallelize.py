@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -31,18 +32,20 @@ from torch.utils.checkpoint import checkpoint
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
                                         slot_module)
+from nbtrain.models.stages import stage_layers
 from nbtrain.models.tensor_parallel import style_for
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import place_module
+from nbtrain.run.state.materialize import FromModel, Initialize, materialize
 from nbtrain.run.parallel.relayout import add_relayout
 from nbtrain.run.parallel.traced_stages import traced_stage, write_back
 
 
 def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
                 mixed_precision: MixedPrecisionPolicy | None = None, tp_plan: dict[str, str] | None = None,
-                example=None) -> nn.Module:
+                example=None, values: FromModel | Initialize | None = None) -> nn.Module:
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1), as
     :func:`~nbtrain.models.description.describe` cuts them (``tp_plan``: the user's tensor-parallel plan).
     A model whose stages are traced (``describe(model).stages == "traced"``) is traced on ``example``, one
@@ -56,7 +59,11 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     way (the vocabulary, rows of the table and output features of the head: ``Shard(0)``), and the head is tied again
     to the embedding's DTensor; in a pipeline whose first and last stages hold them, each of those stages holds a copy
     of the shared weight, re-tied in its process to the layer it trains, whose gradients the two stages sum after
-    backward (``PipelineRunner.sync_tied``)."""
+    backward (``PipelineRunner.sync_tied``).
+
+    ``values``: for a model on the meta device (:func:`~nbtrain.run.state.materialize.meta_twin`), where this rank's
+    tensors get their values once the plan is applied and they are allocated on its device
+    (:mod:`nbtrain.run.state.materialize`): only this stage's layers, only this rank's shards."""
     description = describe(model, tp_plan)
     layers, ties = description.layers, description.ties
     check_plan(model, plan, description)
@@ -65,6 +72,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         for i, s in enumerate(plan.layers):
             if s.ac:
                 _checkpoint(layers[i])
+        if values is not None:  # every rank holds the whole model under DDP
+            materialize(model, [model], meshes.device, values)
         group = meshes.for_strategy(plan.layers[0])["dp_replicate"].get_group()
         place_module(model, meshes.device)  # DDP takes a module already on its device, and broadcasts from there
         device_ids = [meshes.device.index] if meshes.device.type == "cuda" else None
@@ -76,6 +85,8 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         if example is None:
             raise InvalidArgumentError(f"{type(model).__name__}'s pipeline stages are traced: give parallelize one "
                                        "micro-batch of its inputs (example=example_microbatch(inputs, plan, rank))")
+        if values is not None:  # traced on the CPU as a whole (its stage is placed on the device below)
+            materialize(model, [model], torch.device("cpu"), values)
         traced = traced_stage(model, description, plan, meshes.stage, example)
         layers = traced.layers
         model.__dict__["_nbtrain_traced"] = traced  # for the pipeline stage (pipeline.py)
@@ -116,20 +127,26 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             retie(ties, to="last")
     if plan.pp == 1 and plan.num_layers > 1:  # a pipeline stage's root is its stage module (pipeline.py)
         add_fsdp_root(model, layers, plan, meshes, policy)
-    _place_stage(model, layers, traced, plan, meshes)
+    _place_stage(model, layers, traced, plan, meshes, None if traced is not None else values)
     return model
 
 
-def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: PlanMeshes) -> None:
+def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: PlanMeshes, values) -> None:
     """Put what this rank computes on its device once the plan is applied (FSDP2 and DTensor placed their own
-    shards): the whole model when it is one stage; in a pipeline only this stage's layers (the other stages'
-    stay in host memory, never on this GPU), or the traced stage's module less the copies it does not use."""
+    shards; a meta model's tensors are allocated and filled here, :mod:`nbtrain.run.state.materialize`): the whole
+    model when it is one stage; in a pipeline only this stage's layers (the other stages' stay in host memory, or
+    on meta, never on this GPU), or the traced stage's module less the copies it does not use."""
     if plan.pp == 1:
+        if values is not None:
+            materialize(model, [model], meshes.device, values)
         place_module(model, meshes.device)
         return
     start, end = plan.stage_ranges()[meshes.stage]
     mine = [slot_module(parent, attr) for i in range(start, end) for parent, attr in layers[i]]
-    if traced is None:
+    if traced is None:  # the stage's modules as it runs them: a decoder's RoPE tables are computed in every stage
+        mine = stage_layers(model.__dict__["_nbtrain_description"], start, end)
+        if values is not None:
+            materialize(model, mine, meshes.device, values)
         for module in mine:
             place_module(module, meshes.device)
         return

@@ -72,7 +72,7 @@ def _is_strided(t) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
 
 
-def _local_indices(t: DTensor) -> list[torch.Tensor]:
+def local_indices(t: DTensor) -> list[torch.Tensor]:
     """For each dimension of ``t``, the global indices this rank's local shard holds, in local order: each
     placement's own split (what ``distribute_tensor`` does) applied to ``arange`` of that dimension."""
     from torch.distributed.tensor import Shard
@@ -124,7 +124,7 @@ class StridedForDCP(torch.Tensor):
 
         local = dtensor._local_tensor
         self.blocks = {}  # global offsets -> (chunk, local view)
-        for runs in product(*[_runs(ix) for ix in _local_indices(dtensor)]):
+        for runs in product(*[_runs(ix) for ix in local_indices(dtensor)]):
             offsets = torch.Size(start for start, _, _ in runs)
             sizes = torch.Size(length for _, length, _ in runs)
             view = local

@@ -45,11 +45,15 @@ def _state(model: nn.Module, full: bool) -> dict:
     return {canonical_name(k, False): v for k, v in state.items()}  # without checkpoint_wrapper's part
 
 
-def gather_trained(model: nn.Module, plan, mine: tuple[str, ...]) -> dict | None:
+def gather_trained(model: nn.Module, plan, mine: tuple[str, ...], buffers: bool = False) -> dict | None:
     """The whole trained state dict on rank 0 (None elsewhere): full tensors on every rank of a stage (with
     ``cpu_offload`` only global rank 0 would get them, and it does not hold the other stages' weights), then each
-    stage's first rank sends the weights its stage trained."""
-    state = {k: v.detach().cpu() for k, v in _state(model, full=True).items()}
+    stage's first rank sends the weights its stage trained. Another stage's layers, never allocated here (a model
+    built on meta), are left out. ``buffers``: the non-persistent buffers too (tables a model computes in
+    ``__init__``, which a notebook model built on meta lacks)."""
+    state = {k: v.detach().cpu() for k, v in _state(model, full=True).items() if not v.is_meta}
+    if buffers:
+        state.update({k: v.detach().cpu() for k, v in _buffers(model).items() if k not in state and not v.is_meta})
     first_of_stage = dist.get_rank() % plan.devices_per_stage == 0
     trained = {k: v for k, v in state.items() if k.startswith(mine)} if first_of_stage else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -59,6 +63,40 @@ def gather_trained(model: nn.Module, plan, mine: tuple[str, ...]) -> dict | None
     for part in parts:
         state.update(part)
     return state
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nbtrain.run.state.training_state import canonical_name
+
+    ddp = isinstance(model, DistributedDataParallel)
+    return {canonical_name(k, ddp): v for k, v in model.named_buffers()}
+
+
+def load_trained(model: nn.Module, state: dict) -> nn.Module:
+    """Put the gathered ``state`` into the notebook's ``model``: copied into its tensors, or, for a model built on
+    the meta device, in their place (tied parameters tied again, non-persistent buffers set too)."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.load_state_dict(state)
+        return model
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    keys = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in state.items() if k in keys}, assign=True)
+    for names in aliases.values():  # assign gave each name its own tensor: one parameter again, the first name's
+        first = model.get_parameter(next((n for n in names if n in state), names[0]))
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(attr, first)
+    for name, value in state.items():
+        if name not in keys:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if attr in module._buffers:
+                module._buffers[attr] = value
+    return model
 
 
 def save_trained(model: nn.Module, mine: tuple[str, ...], folder) -> None:

@@ -103,14 +103,14 @@ class SwitchStepRecord:
 class _Layout:
     """The model parallelized under one strategy, and what a step needs of it."""
 
-    def __init__(self, build: Callable[[], nn.Module], strategy: Strategy, seed: int):
+    def __init__(self, build: Callable[[], nn.Module], strategy: Strategy, seed: int, values=None):
         torch.manual_seed(seed)
         model = build()
         n = len(layer_slots(model))
         self.strategy = strategy
         self.plan = Plan(num_devices=dist.get_world_size(), layers=(strategy,) * n)
         self.meshes = PlanMeshes(self.plan)
-        self.wrapped = parallelize(model, self.plan, self.meshes)
+        self.wrapped = parallelize(model, self.plan, self.meshes, values=values)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dp_rank = self.meshes.dp_rank(0)
@@ -163,12 +163,14 @@ class HotSwitching:
     (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, a fraction for every layer or one per layer; the home
     strategy then has no TP); its updates land before the next step's first switch. ``lr_schedule(step)``
     multiplies ``lr``; a step whose loss is not finite stops the run (``on_nonfinite="stop"``,
-    :class:`~nbtrain.errors.NonFiniteLossError`) or is skipped (``"skip"``) before its update."""
+    :class:`~nbtrain.errors.NonFiniteLossError`) or is skipped (``"skip"``) before its update. ``values``: when
+    ``build()`` makes a model on the meta device, where each layout's tensors get their values once allocated
+    (:mod:`nbtrain.run.state.materialize`)."""
 
     def __init__(self, build: Callable[[], nn.Module], strategies: Mapping[int, object], *, lr: float = 1e-3,
                  weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0, offload=None,
                  micro_rows: Mapping[int, int] | None = None, betas=(0.9, 0.999), eps: float = 1e-8,
-                 lr_schedule: Callable[[int], float] | None = None, on_nonfinite: str = "stop"):
+                 lr_schedule: Callable[[int], float] | None = None, on_nonfinite: str = "stop", values=None):
         if not strategies:
             raise InvalidArgumentError("strategies is empty: give at least one bucket bound and its strategy")
         self.bounds = sorted(strategies)
@@ -183,7 +185,8 @@ class HotSwitching:
         order = list(dict.fromkeys(layout_of[b] for b in self.bounds if layout_of[b] != home)) + [home]
         checkpointed = {key: any(s.ac for b, s in by_bound.items() if layout_of[b] == key) for key in order}
         # the same order on every rank: building a layout is collective
-        self.layouts = {key: _Layout(build, dataclasses.replace(key, ac=checkpointed[key]), seed) for key in order}
+        self.layouts = {key: _Layout(build, dataclasses.replace(key, ac=checkpointed[key]), seed, values)
+                        for key in order}
         self.strategy_of, self.layout_of = by_bound, layout_of
         self.home = self.layouts[home]
         self.device = self.home.meshes.device

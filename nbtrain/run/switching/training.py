@@ -14,7 +14,6 @@ plan); the other layouts hold nothing between steps.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -71,13 +70,16 @@ def train_documents(model: nn.Module, job: DocumentsJob):
 
     from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
     from nbtrain.run.state.training_state import TrainingState
+    from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, meta_twin
     from nbtrain.run.state.weights import gather_trained, layer_prefixes
     from nbtrain.run.switching.hot import HotSwitching
 
     torch.manual_seed(job.seed)
     model.train()
     mine = layer_prefixes(model)
-    switching = HotSwitching(lambda: copy.deepcopy(model), job.strategies, micro_rows=job.micro_rows,
+    # each layout is a meta twin of the model, filled from it (or initialised, for a model built on meta)
+    values = Initialize(job.seed) if has_meta(model) else FromModel(model)
+    switching = HotSwitching(lambda: meta_twin(model), job.strategies, micro_rows=job.micro_rows, values=values,
                              lr=job.lr, weight_decay=job.weight_decay, clip_norm=job.clip_norm, seed=job.seed,
                              betas=job.betas, eps=job.eps, lr_schedule=job.lr_schedule,
                              on_nonfinite=job.on_nonfinite)
@@ -110,7 +112,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
             records[-1] = dataclasses.replace(records[-1], checkpoint_s=time.perf_counter() - started)
     if bar is not None:
         bar.close()
-    weights = gather_trained(home.wrapped, home.plan, mine)
+    weights = gather_trained(home.wrapped, home.plan, mine, buffers=isinstance(values, Initialize))
     result = (records, details, weights) if rank0 else None
     if job.every_rank and dist.get_world_size() > 1:
         sent = [result]

@@ -1,0 +1,184 @@
+"""What each worker of :func:`nbtrain.run.fit.fit` does: the model's twin parallelized and filled, the steps, the
+trained weights gathered to rank 0 or written by every rank.
+
+    >>> records, state, trace, peaks = launch(fit_worker, model, plan, get_batch, settings, num_processes=2)
+
+Each worker trains a twin of ``model`` on the meta device, under the plan, with each rank's part allocated on its
+device and filled from ``model`` (or initialised, for a model built on meta; or read from ``weights``):
+:mod:`nbtrain.run.state.materialize`. Rank 0 returns ``(records, state, trace, peaks)``: every step's record, the
+gathered trained weights (None when they were written instead), CoTrain's last step trace, and each rank's peak
+memory once its part of the model was in place (before the first step) and during training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nbtrain.planner.plan import Plan
+from nbtrain.run.parallel.traced_stages import example_microbatch
+from nbtrain.run.state.checkpoint import Checkpoint
+from nbtrain.run.trainer import StepRecord, progress_bar
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every worker needs to know besides the model, plan and data."""
+
+    steps: int
+    lr: float
+    clip_norm: float | None
+    loss_fn: Callable
+    seed: int
+    progress: bool
+    precision: str
+    lr_schedule: Callable[[int], float] | None
+    save_dir: str | None
+    on_nonfinite: str = "stop"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume_from: Checkpoint | None = None
+    """The complete checkpoint to go on from."""
+    every_rank: bool = False
+    """Every rank returns rank 0's result (under torchrun each rank is a caller of ``fit``)."""
+    adamw: tuple = ((0.9, 0.999), 1e-8, 0.01, True)
+    """AdamW's ``(betas, eps, weight_decay, decay_norms_and_biases)``."""
+    tp_plan: dict | None = None
+    """The user's tensor-parallel plan (None: the model's own)."""
+    optimizer: Callable | None = None
+    """The user's optimizer factory, called on this rank's parameter groups (None: fused AdamW)."""
+    init_fn: Callable | None = None
+    """How a module of a model built on the meta device is initialised (None: its own initialisation)."""
+    weights: object = None
+    """The resolved :class:`~nbtrain.run.state.pretrained.Weights` to start from, or None."""
+    save_pretrained: str | None = None
+    """The folder to write the trained model into as a Hugging Face folder, or None."""
+    files: dict | None = None
+    """With ``save_pretrained``: the file of each tensor (made from the notebook's model)."""
+    gather: bool = True
+    """Whether rank 0 gathers the trained weights for the notebook."""
+
+
+def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
+    """Runs in every process: parallelize, train, then gather the weights to rank 0 or save them sharded."""
+    import torch.distributed as dist
+
+    from nbtrain.run.parallel.mesh import PlanMeshes
+    from nbtrain.run.parallel.parallelize import parallelize
+    from nbtrain.run.placement import peak_memory
+    from nbtrain.run.state.hf_folder import save_hf_folder
+    from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, meta_twin
+    from nbtrain.run.state.pretrained import load_weights
+    from nbtrain.run.trainer import Trainer
+    from nbtrain.run.state.training_state import TrainingState
+    from nbtrain.run.state.weights import gather_trained, save_trained, trained_prefixes
+
+    torch.manual_seed(run.seed)
+    # the plan is applied to a twin on the meta device, and each rank fills only what it holds: from the notebook's
+    # model (read, never copied whole), or by the model's own initialisation when it was built on meta
+    values = Initialize(run.seed, run.init_fn) if has_meta(model) else FromModel(model)
+    model = meta_twin(model)  # in this process too: the caller's model stays as it was
+    model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
+    meshes = PlanMeshes(plan)
+    mine = trained_prefixes(model, plan, meshes.stage)
+    example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None
+    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example, values=values)
+    if run.weights is not None:  # each rank reads the part it holds
+        load_weights(model, run.weights, mine)
+    materialized = peak_memory(meshes.device)
+    if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
+        from nbtrain.run.offload.optimizer import OffloadedAdamW
+
+        betas, eps, decay, _ = run.adamw
+        optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
+                                              weight_decay=decay)
+    elif run.optimizer is not None:
+        optimizer = run.optimizer(by_mesh(model))
+    else:
+        # fused: one kernel over all of a device's parameters (STACK.md: 5-7x foreach on CPU; bench/executor.py:
+        # the default per-tensor AdamW took 25 ms of a 150 ms FSDP2 step)
+        betas, eps, _, _ = run.adamw
+        optimizer = torch.optim.AdamW(decay_groups(by_mesh(model), run.adamw), lr=run.lr, betas=betas, eps=eps,
+                                      fused=True)
+    trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
+                      lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
+    rank0 = dist.get_rank() == 0
+    records = train_steps(trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
+    resumed = run.resume_from.step if run.resume_from is not None else 0  # earlier steps: another run measured them
+    peaks = [None] * dist.get_world_size()  # every rank's memory, as the step table shows it
+    dist.all_gather_object(peaks, (materialized, max([r.peak_memory_bytes for r in records if r.step > resumed],
+                                                     default=materialized)))
+    if hasattr(optimizer, "close"):
+        optimizer.close()  # lands the last step's CPU updates, which completes its trace
+    trace = getattr(optimizer, "last_trace", None)
+    if run.save_pretrained is not None:
+        save_hf_folder(model, mine, run.save_pretrained, run.files)
+    if run.save_dir is not None:
+        save_trained(model, mine, run.save_dir)
+    if run.save_dir is not None or not run.gather:
+        result = (records, None, trace, peaks) if rank0 else None
+    else:  # a notebook model on meta also needs the tables its modules compute (non-persistent buffers)
+        state = gather_trained(model, plan, mine, buffers=isinstance(values, Initialize))
+        result = (records, state, trace, peaks) if rank0 else None
+    if run.every_rank and dist.get_world_size() > 1:
+        sent = [result]
+        dist.broadcast_object_list(sent, src=0)
+        result = sent[0]
+    return result
+
+
+def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: bool) -> list[StepRecord]:
+    """The step loop, from a checkpoint when resuming, saving one every ``checkpoint_every`` steps and at the end;
+    returns every step's record (a resumed run's earlier ones first)."""
+    import torch.distributed as dist
+
+    from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
+
+    records = []
+    if run.resume_from is not None:
+        progress = run.resume_from.load(state)
+        trainer.restore_progress(progress.step, progress.schedule_epoch)
+        records = progress.records
+    folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
+    bar = progress_bar(run.steps, trainer.steps_done) if run.progress and rank0 else None
+    for step in range(trainer.steps_done, run.steps):
+        record = trainer.step(*get_batch(step))
+        records.append(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record.loss:.4f}")
+        done = trainer.steps_done
+        if folder is not None and (done == run.steps or (run.checkpoint_every and done % run.checkpoint_every == 0)):
+            started = time.perf_counter()
+            folder.save(state, Progress(done, trainer.schedule_epoch, records=records, plan=str(plan),
+                                        num_processes=dist.get_world_size(), **Progress.random_states()))
+            records[-1] = dataclasses.replace(record, checkpoint_s=time.perf_counter() - started)
+    if bar is not None:
+        bar.close()
+    return records
+
+
+def by_mesh(model: nn.Module) -> list[dict]:
+    """Parameter groups of one kind each: plain tensors, and DTensors per mesh (a fused kernel takes one kind)."""
+    from nbtrain.gradients import group_by_kind
+
+    return [{"params": params} for params in group_by_kind(list(model.parameters()))]
+
+
+def decay_groups(groups: list[dict], adamw: tuple) -> list[dict]:
+    """``groups`` with AdamW's weight decay, the norms' weights and the biases (the 1-D parameters) in groups of their
+    own without it when ``decay_norms_and_biases`` is false (as GPT-2's, LLaMA's and most training recipes do)."""
+    _, _, decay, decay_1d = adamw
+    if decay_1d:
+        return [{**g, "weight_decay": decay} for g in groups]
+    out = []
+    for g in groups:
+        matrices, vectors = [p for p in g["params"] if p.ndim >= 2], [p for p in g["params"] if p.ndim < 2]
+        out += [{"params": matrices, "weight_decay": decay}] if matrices else []
+        out += [{"params": vectors, "weight_decay": 0.0}] if vectors else []
+    return out

@@ -1,0 +1,159 @@
+"""Pretrained weights straight into each rank's shards: a Hugging Face folder, or an nbtrain / DCP checkpoint.
+
+    >>> with torch.device("meta"):
+    ...     model = LlamaForCausalLM(LlamaConfig.from_pretrained("llama-1b/"))
+    >>> result = nbtrain.fit(model, batches, plan="dp_shard=2", weights="llama-1b/", steps=100, num_processes=2)
+
+A Hugging Face folder is what ``save_pretrained`` writes: ``*.safetensors`` files, one or sharded with an index.
+torch's own ``HuggingFaceStorageReader`` reads it through ``torch.distributed.checkpoint``: each rank asks for the
+tensors it holds, as the plan laid them out (a DTensor's local shard, a pipeline stage's layers only), and reads
+only those bytes (``safe_open(...).get_slice``). A folder with a ``.metadata`` file is a DCP checkpoint:
+``fit(save_dir=...)``'s, or a ``checkpoint_dir`` step (``step-NNNNNNNN``; given the ``checkpoint_dir``, its newest
+complete one), read with DCP's ``FileSystemReader`` the same way.
+
+Before any worker starts, :func:`resolve_weights` reads only the files' headers and matches them to the model, as
+``from_pretrained`` does: a tied parameter is read once, under the name the file has (``save_pretrained`` writes the
+embedding and leaves the tied head out); file names are mapped to the model's by ``key_mapping`` (regular expression →
+replacement, ``from_pretrained``'s argument of that name; by default the model's ``_checkpoint_conversion_mapping``),
+and a checkpoint of the base model (``model.layers.0...`` against ``layers.0...``) is matched through the model's
+``base_model_prefix``; a tensor of another floating dtype is converted as it is read. A folder that is missing or
+holds neither format, a tensor the model has and the files lack, another shape, or a dtype that cannot become the
+model's (integers into floats) is one :class:`~nbtrain.errors.InvalidArgumentError` naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nbtrain.errors import InvalidArgumentError
+from nbtrain.run.state.materialize import modules_by_name
+from nbtrain.run.state.training_state import canonical_name, for_dcp, trained_tensors
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where a run's starting weights are: ``Weights("llama-1b/")``, or with names mapped as ``from_pretrained``'s
+    ``key_mapping`` maps them, ``Weights("ckpt/", key_mapping={r"^transformer\\.": "model."})``."""
+
+    path: str
+    key_mapping: dict[str, str] | None = None
+    """Regular expression on a file's tensor name → its replacement, giving the model's name."""
+    kind: str = ""
+    """``"safetensors"`` (a Hugging Face folder) or ``"dcp"``: set by :func:`resolve_weights`."""
+    keys: dict[str, str] = field(default_factory=dict)
+    """The model's tensor name → the file's, for every tensor read (set by :func:`resolve_weights`)."""
+
+
+def _reader(kind: str, path: str):
+    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+
+    return HuggingFaceStorageReader(path) if kind == "safetensors" else FileSystemReader(path)
+
+
+def _folder(path: Path) -> tuple[str, Path]:
+    """The kind of checkpoint in ``path`` and the folder to read (a checkpoint_dir's newest complete step)."""
+    if not path.exists():
+        raise InvalidArgumentError(f"weights={str(path)!r}: no such folder; give the folder save_pretrained (or "
+                                   "fit's save_dir / checkpoint_dir) wrote")
+    if path.is_file():
+        raise InvalidArgumentError(f"weights={str(path)!r} is a file; give the folder that holds it (all of a "
+                                   "sharded checkpoint's files are read from there)")
+    if (path / ".metadata").is_file():
+        return "dcp", path
+    steps = sorted(p for p in path.glob("step-*") if re.fullmatch(r"step-\d{8}", p.name) and (p / ".metadata").is_file())
+    if steps:
+        return "dcp", steps[-1]
+    if any(path.glob("*.safetensors")):
+        return "safetensors", path
+    raise InvalidArgumentError(f"weights={str(path)!r} holds neither *.safetensors files (a Hugging Face folder, as "
+                               "save_pretrained writes) nor a DCP checkpoint (.metadata, as fit's save_dir writes)")
+
+
+def _model_tensors(model: nn.Module) -> dict[str, list[str]]:
+    """The model's parameters and persistent buffers: the first name of each → all its names (tied: several)."""
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(canonical_name(name, False))
+    return {group[0]: group for group in names.values()}
+
+
+def _mapped(key: str, mapping: dict[str, str]) -> str:
+    for pattern, replacement in mapping.items():
+        key = re.sub(pattern, replacement, key)
+    return key
+
+
+def resolve_weights(weights, model: nn.Module) -> Weights:
+    """``weights`` (a path or :class:`Weights`) checked against ``model`` from the files' headers alone, with the
+    name of every tensor to read; raises :class:`InvalidArgumentError` with what is wrong (module docstring)."""
+    weights = weights if isinstance(weights, Weights) else Weights(str(weights))
+    kind, folder = _folder(Path(weights.path).expanduser())
+    try:
+        saved = _reader(kind, str(folder)).read_metadata().state_dict_metadata
+    except Exception as error:  # a damaged header, an unreadable file: say which folder, and what the reader said
+        raise InvalidArgumentError(f"weights={weights.path!r}: cannot read it ({type(error).__name__}: "
+                                   f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    if kind == "dcp" and any(k.startswith("optim.") for k in saved):  # a checkpoint_dir step: model.<name>
+        saved = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+        prefix = "model."
+    else:
+        prefix = ""
+    mapping = weights.key_mapping if weights.key_mapping is not None else \
+        dict(getattr(model, "_checkpoint_conversion_mapping", None) or {})
+    by_model_name = {_mapped(k, mapping): k for k in saved}
+    base = getattr(model, "base_model_prefix", "") or ""
+    keys, missing = {}, []
+    for first, names in _model_tensors(model).items():
+        key = next((by_model_name[n] for n in names if n in by_model_name), None)
+        if key is None and base:  # a base model's checkpoint into a model with a head (or the other way round)
+            key = next((by_model_name[c] for n in names for c in (n.removeprefix(base + "."), f"{base}.{n}")
+                        if c != n and c in by_model_name), None)
+        if key is None:
+            missing.append(first)
+            continue
+        _check_tensor(model, first, saved[key], key, weights.path)
+        keys[first] = prefix + key
+    if missing:
+        raise InvalidArgumentError(
+            f"weights={weights.path!r} lacks {len(missing)} of {type(model).__name__}'s tensors: "
+            f"{', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} (its names: "
+            f"{', '.join(sorted(saved)[:3])} …); a checkpoint of another model, or of other names: give "
+            "key_mapping={file pattern: model name}, as from_pretrained takes it")
+    return replace(weights, kind=kind, path=str(folder), keys=keys)
+
+
+def _check_tensor(model: nn.Module, name: str, saved, key: str, path: str) -> None:
+    tensor = _get(model, name)
+    shape, dtype = tuple(saved.size), saved.properties.dtype
+    if shape != tuple(tensor.shape):
+        raise InvalidArgumentError(f"weights={path!r}: {key} has shape {shape}, but the model's {name} is "
+                                   f"{tuple(tensor.shape)}; a checkpoint of another size of this model?")
+    if dtype is not None and dtype.is_floating_point != tensor.dtype.is_floating_point:
+        raise InvalidArgumentError(f"weights={path!r}: {key} is {str(dtype).removeprefix('torch.')}, which cannot "
+                                   f"become the model's {str(tensor.dtype).removeprefix('torch.')} {name}")
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    module = modules_by_name(model)[owner]
+    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
+def load_weights(model: nn.Module, weights: Weights, mine: tuple[str, ...]) -> None:
+    """In every worker (collective): read into this rank's tensors under the ``mine`` prefixes (its pipeline stage's
+    layers) their values from ``weights`` (resolved), each rank only the part it holds. Without a process group,
+    the whole of them into one process: ``load_weights(model, resolve_weights("pre/", model), ("",))``."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors = trained_tensors(model, mine)
+    state = {weights.keys[name]: t for name, t in tensors.items() if name in weights.keys}
+    with torch.no_grad(), warnings.catch_warnings():
+        # without a process group (nbtrain verify's one process) DCP reads everything here, which is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(for_dcp({k: t.detach() for k, t in state.items()}), storage_reader=_reader(weights.kind, weights.path))
