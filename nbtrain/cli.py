@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--loss", default=None, metavar="MODULE:ATTR", help="loss_fn(output, targets) for --data")
     v.add_argument("--tp-plan", default=None, metavar="MODULE:ATTR",
                    help="a tensor-parallel plan ({'blocks.*.fc1': 'colwise', ...}) for a model that carries none")
+    v.add_argument("--weights", default=None, metavar="PATH",
+                   help="start both runs from these weights: a Hugging Face folder (save_pretrained's) or a DCP "
+                        "checkpoint (fit's save_dir)")
     v.set_defaults(run=_verify)
 
     d = sub.add_parser("demo", help="profile and plan GPT-2 for a cluster, then train a small GPT here under a plan",
@@ -248,7 +251,8 @@ def _verify(args) -> int:
     named = {flag: load_reference(getattr(args, flag)) if getattr(args, flag) else None
              for flag in ("data", "loss", "tp_plan")}
     report = verify(args.model, args.strategy, processes=args.processes, steps=args.steps, batch=args.batch,
-                    seq=args.seq, data=named["data"], loss_fn=named["loss"], tp_plan=named["tp_plan"])
+                    seq=args.seq, data=named["data"], loss_fn=named["loss"], tp_plan=named["tp_plan"],
+                    weights=args.weights)
     print(report)
     return 0 if report.ok else 1
 

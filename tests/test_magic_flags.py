@@ -285,6 +285,8 @@ def test_training_flags_without_launch_are_refused_not_ignored(shell, flag):
 @pytest.mark.parametrize("flags, message", [
     ("--checkpoint-dir runs", "--checkpoint-dir saves or resumes a training run: add --launch"),
     ("--resume runs", "--resume saves or resumes a training run: add --launch"),
+    ("--weights pre", "--weights pre is where a training run starts: add --launch"),
+    ("--save-pretrained tuned", "--save-pretrained tuned is where a training run writes its model: add --launch"),
     ("--launch --checkpoint-every 2", "--checkpoint-every 2: add --checkpoint-dir DIR"),
     ("--launch --checkpoint-dir runs --checkpoint-every 0", "--checkpoint-every 0: must be a positive integer"),
     ("--launch --resume a --checkpoint-dir b", "a resumed run saves where it resumed from; give only --resume"),

@@ -246,10 +246,11 @@ def vocab_size(model: nn.Module) -> int:
 def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
                lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
                checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
-               tp_plan: dict | None = None):
+               tp_plan: dict | None = None, weights=None, save_pretrained=None):
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
     are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
-    ``checkpoint_dir``, ``checkpoint_every`` and ``resume`` are :func:`nbtrain.fit`'s."""
+    ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``weights`` and ``save_pretrained`` are
+    :func:`nbtrain.fit`'s."""
 
     layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
@@ -273,4 +274,5 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     here = Cluster.detect(calibrate=False)
     return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
-                       checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan)
+                       checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan, weights=weights,
+                       save_pretrained=save_pretrained)

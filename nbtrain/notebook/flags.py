@@ -54,7 +54,7 @@ def _memory(text: str | None) -> int | None:
     return budget
 
 
-_LAUNCH_ONLY = ("timeout", "checkpoint_dir", "checkpoint_every", "resume")
+_LAUNCH_ONLY = ("timeout", "checkpoint_dir", "checkpoint_every", "resume", "weights", "save_pretrained")
 _TRAINING = ("processes", "steps", "lr", "seed", "data")
 
 
@@ -68,6 +68,9 @@ def _check_needs_launch(args) -> None:
         name = "--" + flag.replace("_", "-")
         if flag in ("checkpoint_dir", "checkpoint_every", "resume"):
             raise UsageError(f"{name} saves or resumes a training run: add --launch")
+        if flag in ("weights", "save_pretrained"):
+            what = "is where a training run starts" if flag == "weights" else "is where a training run writes its model"
+            raise UsageError(f"{name} {value} {what}: add --launch")
         also = "" if flag in _LAUNCH_ONLY else " (or --export PATH, whose notebook trains)"
         raise UsageError(f"{name} {value} is for training, and this cell only plans: add --launch{also}, or leave "
                          f"out {name}")

@@ -74,6 +74,11 @@ class AutoparallelMagics(Magics):
                                                                              "steps too")
     @argument("--resume", metavar="DIR", help="with --launch, go on from the newest complete checkpoint in DIR "
                                               "(saved under any plan), to --steps in all; saves there too")
+    @argument("--weights", metavar="PATH", help="with --launch, start from these weights: a Hugging Face folder "
+                                               "(save_pretrained's safetensors) or a DCP checkpoint; each rank reads "
+                                               "only what it holds (a model built on the meta device too)")
+    @argument("--save-pretrained", metavar="DIR", help="with --launch, write the trained model into DIR as a "
+                                                      "Hugging Face folder (from_pretrained loads it)")
     @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
                                                "data, launch, checks), for papermill or a tutorial")
     @line_cell_magic
@@ -160,9 +165,12 @@ class AutoparallelMagics(Magics):
                                 loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout,
                                 checkpoint_dir=args.resume or args.checkpoint_dir,
                                 checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
-                                tp_plan=tp_plan)
+                                tp_plan=tp_plan, weights=args.weights, save_pretrained=args.save_pretrained)
             _show(result.table())
-            print(f"the trained weights are in {name}")
+            if result.state_dict:
+                print(f"the trained weights are in {name}")
+            if result.save_pretrained:
+                print(f"the trained model is in {result.save_pretrained} (from_pretrained loads it)")
             if args.output:
                 namespace[args.output + "_result"] = result
         return None

@@ -246,13 +246,15 @@ def _without_randomness(model: nn.Module, ids, name: str) -> list[str]:
 
 def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int = 32,
            lr: float = 1e-2, seed: int = 0, timeout: float = 600, data=None, loss_fn=None,
-           tp_plan: dict[str, str] | None = None) -> VerifyReport:
+           tp_plan: dict[str, str] | None = None, weights=None) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
     ``processes`` processes, from the same initial weights and batches, with dropout off in both; compare.
 
     Language models train on random token windows of ``batch`` × ``seq`` by default; ``data`` (a list of
     ``(inputs, targets)`` batches, as :func:`~nbtrain.run.fit.fit` takes) and ``loss_fn(output, targets)`` verify any
-    other workload (a masked LM, an image classifier). ``tp_plan`` is the user's tensor-parallel plan.
+    other workload (a masked LM, an image classifier). ``tp_plan`` is the user's tensor-parallel plan. ``weights``
+    (a folder, as :func:`~nbtrain.run.fit.fit` takes it) is where both start: the one process reads it whole, the
+    plan's processes each their part.
     Raises :class:`~nbtrain.errors.InvalidArgumentError` for a model that still draws random numbers in training
     mode (a random op that is not dropout), and :class:`~nbtrain.errors.InvalidPlanError` for a plan the executor
     does not run on this model, both before anything trains."""
@@ -273,6 +275,10 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
                                    "batches' targets (--loss module:attr)")
     loss_fn = loss_fn or lm_loss
     reference_model = copy.deepcopy(source).float().train()
+    if weights is not None:  # whole, in this process (no group): the parallel run reads its shards itself
+        from nbtrain.run.state.pretrained import load_weights, resolve_weights
+
+        load_weights(reference_model, resolve_weights(weights, reference_model), ("",))
     data = list(data) if data is not None else _batches(vocab, batch, seq)
     if not data:
         raise InvalidArgumentError("data holds no batches")
@@ -297,7 +303,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
         reference.append(loss.item())
     result = fit(parallel_model, data, plan=checked, steps=steps, num_processes=processes, lr=lr, clip_norm=1.0,
                  seed=seed, progress=False, timeout=timeout, loss_fn=loss_fn,
-                 tp_plan=tp_plan)  # a hung worker fails the check, not the caller
+                 tp_plan=tp_plan, weights=weights)  # a hung worker fails the check, not the caller
     ref_state, got_state = reference_model.state_dict(), parallel_model.state_dict()
     keys = [k for k, v in ref_state.items() if v.is_floating_point()]
     apart = sum(float((got_state[k] - ref_state[k]).double().square().sum()) for k in keys) ** 0.5
