@@ -258,3 +258,17 @@ def test_plan_for_a_saved_cluster_refuses_catalog_flags_beside_it(tmp_path, caps
     Cluster.from_catalog("H100", num_devices=8).save(tmp_path / "c.json")
     assert main(["plan", "gpt-tiny", "--cluster", str(tmp_path / "c.json"), "--gpus", "4", "--batch", "8"]) == 2
     assert "--cluster FILE describes the devices" in capsys.readouterr().err
+
+
+def test_a_gpu_is_named_from_nvidia_smi_without_initialising_cuda_when_pynvml_is_missing(tmp_path, monkeypatch):
+    # the GPU machines this runs on may bring torch, accelerate and transformers only: no pynvml, but the driver's
+    # nvidia-smi, whose --format=csv,noheader,nounits prints "name, MiB" (what it prints for an H200 here)
+    from nbtrain.profiler.catalog import local_gpu_name
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 143771'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # "import pynvml" fails
+    assert local_gpu_name() == ("NVIDIA H200", 143771 * 2**20)
+    assert not torch.cuda.is_initialized()

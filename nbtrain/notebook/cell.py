@@ -25,6 +25,7 @@ from nbtrain.models.description import layer_slots
 from nbtrain.planner.planned import PlannedModel, plan_and_compare
 from nbtrain.planner.scale import scale_plan
 from nbtrain.planner.search_space import SearchOptions
+from nbtrain.profiler.catalog import local_gpus
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.profiler.model import lm_loss, profile
@@ -270,8 +271,10 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
         seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
         local = scale_plan(plan, processes, seq_len=seq)
         data = stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
-    # this machine's cluster, for the prediction beside the measurement (fit narrows it to the processes)
-    here = Cluster.detect(calibrate=False)
+    # this machine's cluster, for the prediction beside the measurement (fit narrows it to the processes); its GPUs
+    # named through NVML: CUDA initialised in this kernel would keep the launch from forking its workers
+    here = Cluster.this_machine(processes, progress=lambda *_: None) if local_gpus() else \
+        Cluster.detect(calibrate=False)
     return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
                        checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan, weights=weights,

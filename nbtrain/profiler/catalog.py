@@ -48,8 +48,8 @@ def local_gpus() -> int:
 
 
 def local_gpu_name() -> tuple[str, int] | None:
-    """The first GPU's name and memory in bytes from NVML (``pynvml``), without initialising CUDA; None when NVML
-    cannot be read from Python here."""
+    """The first GPU's name and memory in bytes from NVML (``pynvml``, or the driver's ``nvidia-smi`` where pynvml
+    is not installed), without initialising CUDA; None when neither can be read here."""
     try:
         import pynvml
 
@@ -57,7 +57,16 @@ def local_gpu_name() -> tuple[str, int] | None:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         name = pynvml.nvmlDeviceGetName(handle)
         return (name.decode() if isinstance(name, bytes) else name), int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-    except Exception:  # no pynvml, no driver, no device: the caller falls back
+    except Exception:  # no pynvml, no driver, no device: ask nvidia-smi, which ships with the driver
+        pass
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, timeout=20, check=True).stdout
+        name, mib = out.strip().splitlines()[0].rsplit(",", 1)
+        return name.strip(), int(float(mib)) * 2**20
+    except Exception:  # no nvidia-smi either: the caller falls back
         return None
 
 
