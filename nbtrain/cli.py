@@ -276,7 +276,7 @@ def _export(args) -> None:
     job = plan_model(build_preset(args.model, device="cpu"), args.model, gpus=args.gpus, gpu=args.gpu,
                      batch=args.batch, seq=args.seq, strategy=args.strategy)
     path = export_cell(args.out, code, "model", job.plan, processes=args.processes, steps=args.steps)
-    print(job.plan.summary(label="evaluated" if args.strategy else "recommended"))
+    print(job.plan.summary(label="your plan" if args.strategy else "recommended"))
     print(f"wrote {path}; run it with: {papermill_command(path, steps=args.steps)}")
 
 

@@ -260,7 +260,7 @@ SHELL_SHOWS = {
     "nbtrain profile llama-tiny": ["plain Adam training on one device", "total"],
     "nbtrain profile mypkg.models:build --measure": ["plain Adam training on one device"],
     "nbtrain plan llama-7b --gpus 8 --memory 24GiB": ["recommended:", "fits", "/24.00 GiB"],
-    '--strategy "dp_shard=8 ac"': ["evaluated:", "dp_shard=8"],
+    '--strategy "dp_shard=8 ac"': ["your plan:", "dp_shard=8"],
     "nbtrain verify": ["SAME TRAINING"],
     "nbtrain cluster H100 --gpus 16": ["16 × H100", "host memory"],
     "nbtrain cluster --detect": ["host memory", "CPU optimizer"],

@@ -100,7 +100,18 @@ def test_plan_strategy_typed_in_a_shell_quoted_or_not_is_the_plan_evaluated(type
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines()[0] == f"gpt-tiny on 2 devices: {normal}"
-    assert shown.stdout.strip().splitlines()[-1].startswith("evaluated: ")
+    assert shown.stdout.strip().splitlines()[-1].startswith("your plan: ")
+
+
+def test_a_typed_plan_is_called_yours_never_recommended_and_says_when_it_does_not_fit(capsys):
+    # plain data parallelism of a 7B model: every H100 holds 16 bytes per parameter, 112 GB of 80
+    main(["plan", "llama-7b", "--gpus", "8", "--batch", "8", "--seq", "1024", "--strategy", "dp_replicate=8"])
+    out = capsys.readouterr().out
+    assert "recommended" not in out
+    assert out.strip().splitlines()[-1].startswith("your plan: ") and "DOES NOT FIT" in out.splitlines()[-1]
+    first_row = next(line for line in out.splitlines() if line.startswith("your plan "))
+    assert first_row.endswith(" no")  # it does not fit, and so has no time ratio, not even 1.00× to itself
+    assert "× your plan's time" in out
 
 
 # nbtrain profile ---------------------------------------------------------------------------------------------------

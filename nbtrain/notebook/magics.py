@@ -143,7 +143,7 @@ class AutoparallelMagics(Magics):
             namespace[args.output] = plan
         if not args.quiet:
             _show(plan.table())
-            _show(comparison_table(plan, job.baselines))
+            _show(comparison_table(plan, job.baselines, job.job.label))
             for note in plan.notes:
                 print("note:", note)
         if note := decimal_note(args.memory):

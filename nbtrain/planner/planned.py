@@ -34,13 +34,13 @@ class PlannedModel:
     plan: Plan
     baselines: list
     label: str = "recommended"
-    """``recommended`` (the search's), or ``evaluated`` (a plan the user typed)."""
+    """``recommended`` (the search's), or ``your plan`` (a plan the user typed: never called recommended)."""
 
     def report(self, notes: tuple[str, ...] = ()) -> list:
         """What every face shows, in order: the plan's table, the comparison with the baselines, the plan's notes
         and ``notes`` (one ``note: ...`` line each), then the one-line summary."""
         lines = [f"note: {note}" for note in (*self.plan.notes, *notes)]
-        return [self.plan.table(), comparison_table(self.plan, self.baselines), *lines, self.summary()]
+        return [self.plan.table(), comparison_table(self.plan, self.baselines, self.label), *lines, self.summary()]
 
     def summary(self) -> str:
         """The plan's one line, and which cluster it is for: ``... · for this machine: 2 × cpu (calibrated)`` or
@@ -60,4 +60,4 @@ def plan_and_compare(profile: ModelProfile, cluster: Cluster, *, global_batch: i
                 top=top, options=options)
     known = baselines(profile, cluster, global_batch=global_batch, seq_len=seq_len or profile.seq_len,
                       memory=best.predicted.budget_bytes)
-    return PlannedModel(profile, cluster, best, known, "evaluated" if strategy else "recommended")
+    return PlannedModel(profile, cluster, best, known, "your plan" if strategy else "recommended")

@@ -100,12 +100,13 @@ def reserve_line(pred) -> str:
             "(nbtrain.planner.cost.reserve_parts cites the figures)")
 
 
-def comparison_table(recommended: Plan, baselines) -> Table:
-    """The recommended plan, its alternatives and the uniform baselines, with time, memory and speed-up."""
-    table = Table(["plan", "strategy", "step time", "memory/device", "fits", "speed-up"], align="llrrlr")
+def comparison_table(recommended: Plan, baselines, label: str = "recommended") -> Table:
+    """The recommended plan (``label="your plan"``: the one the user typed), its alternatives and the uniform
+    baselines, with time, memory, and each step time relative to the first row's."""
+    ratio = f"× {label}'s time"
+    table = Table(["plan", "strategy", "step time", "memory/device", "fits", ratio], align="llrrlr")
     best = recommended.predicted.step_time_s
-    rows = [("recommended", recommended)] + [(f"alternative {i + 1}", alt)
-                                             for i, alt in enumerate(recommended.alternatives)]
+    rows = [(label, recommended)] + [(f"alternative {i + 1}", alt) for i, alt in enumerate(recommended.alternatives)]
     rows += [(b.name, b.plan) for b in baselines]
     for name, p in rows:
         if p is None:
@@ -115,5 +116,6 @@ def comparison_table(recommended: Plan, baselines) -> Table:
         speedup = f"{pred.step_time_s / best:.2f}×" if pred.fits else ""
         table.add(name, str(p), format_seconds(pred.step_time_s), format_bytes(pred.memory_bytes),
                   "yes" if pred.fits else "no", speedup)
-    table.footer.append("speed-up: how many times longer that plan's step takes than the recommended one's")
+    table.footer.append(f"{ratio}: that plan's step time divided by {label}'s (2.00× takes twice as long, 0.50× "
+                        "half as long)")
     return table
