@@ -188,3 +188,18 @@ def test_a_tied_embedding_and_head_get_one_stage_the_same_strategy_and_no_tp():
         best = nbtrain.plan(profile, h100s(memory=memory), global_batch=64, seq_len=1024)
         for p in (best, *best.alternatives):
             assert p.pp == 1 and p.layers[0] == p.layers[-1] and p.layers[0].tp == 1, str(p)
+
+
+def test_a_baseline_the_executor_cannot_run_on_the_model_is_shown_as_such_and_not_timed():
+    # GPT-2's head shares the token embedding's weight, which the executor keeps in one pipeline stage: the usual
+    # TP + PP baseline cannot run on it here, and a time beside the recommendation would read as an option
+    gpt2 = nbtrain.profile("gpt2", batch_size=1, seq_len=1024)
+    best = nbtrain.plan(gpt2, h100s(16), global_batch=64, seq_len=1024)
+    known = baselines(gpt2, h100s(16), global_batch=64, seq_len=1024)
+    pipelined = next(b for b in known if "PP=" in b.name)
+    assert pipelined.plan is None and "executor cannot run it" in pipelined.note and "pipeline stage" in pipelined.note
+    comparison = str(comparison_table(best, known))
+    row = next(line for line in comparison.splitlines() if line.startswith(pipelined.name))
+    assert "cannot run here" in row and "ms" not in row and " s " not in row
+    assert f"{pipelined.name}: nbtrain's executor cannot run it" in comparison
+    assert next(b for b in known if b.name == "FSDP (ZeRO-3)").plan is not None  # the others are timed as before

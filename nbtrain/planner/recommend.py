@@ -84,6 +84,10 @@ def baselines(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq
         fitting = [v for v in variants if v.predicted.fits]
         best = min(fitting, key=lambda v: v.predicted.step_time_s) if fitting else \
             min(variants, key=lambda v: v.predicted.memory_bytes)
+        problem = executor_problem(profile, best)
+        if problem:  # shown as such, not timed: a time beside the recommendation would read as an option
+            out.append(Baseline(name, None, f"nbtrain's executor cannot run it on this model: {problem}"))
+            continue
         out.append(Baseline(name, best, options=options))
     return out
 

@@ -108,9 +108,11 @@ def comparison_table(recommended: Plan, baselines, label: str = "recommended") -
     best = recommended.predicted.step_time_s
     rows = [(label, recommended)] + [(f"alternative {i + 1}", alt) for i, alt in enumerate(recommended.alternatives)]
     rows += [(b.name, b.plan) for b in baselines]
+    why = {b.name: b.note for b in baselines if b.plan is None and b.note}
     for name, p in rows:
         if p is None:
-            table.add(name, "does not apply", "", "", "", "")
+            table.add(name, "cannot run here" if name in why and "executor" in why[name] else "does not apply",
+                      "", "", "", "")
             continue
         pred = p.predicted
         speedup = f"{pred.step_time_s / best:.2f}×" if pred.fits else ""
@@ -118,4 +120,5 @@ def comparison_table(recommended: Plan, baselines, label: str = "recommended") -
                   "yes" if pred.fits else "no", speedup)
     table.footer.append(f"{ratio}: that plan's step time divided by {label}'s (2.00× takes twice as long, 0.50× "
                         "half as long)")
+    table.footer += [f"{name}: {note}" for name, note in why.items()]
     return table
