@@ -75,10 +75,13 @@ def test_quiet_prints_only_the_summary(shell, capsys):
     assert capsys.readouterr().out.strip() == f"{shell.user_ns['quiet'].summary()} · for 2 × H100 (catalog)"
 
 
-def test_a_typed_strategy_is_evaluated_not_searched(shell):
+def test_a_typed_strategy_is_evaluated_not_searched_and_called_yours_above_the_tables(shell, capsys):
     assert run(shell, '--gpus 4 --batch 8 --strategy "dp_shard=2 tp=2 ac" -o typed').success
     typed = shell.user_ns["typed"]
     assert str(typed.layers[1]) == "dp_shard=2 tp=2 ac" and typed.predicted is not None
+    out = capsys.readouterr().out
+    assert out.startswith("your plan: ") and "recommended" not in out  # the summary first, then the tables
+    assert out.index("your plan: ") < out.index("on 4 devices:") < out.index("× your plan's time")
 
 
 def test_the_model_can_be_named_when_the_cell_makes_several(shell):

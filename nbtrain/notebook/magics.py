@@ -141,6 +141,7 @@ class AutoparallelMagics(Magics):
         plan = job.plan
         if args.output:
             namespace[args.output] = plan
+        print(job.job.summary())  # first: what a person reads before the tables that detail it
         if not args.quiet:
             _show(plan.table())
             _show(comparison_table(plan, job.baselines, job.job.label))
@@ -148,7 +149,6 @@ class AutoparallelMagics(Magics):
                 print("note:", note)
         if note := decimal_note(args.memory):
             print("note:", note)
-        print(job.job.summary())
         if not args.quiet and not args.launch:
             self._explorer(job, args, memory)
         if args.export:
