@@ -163,3 +163,11 @@ def _integers(path):
     save_file({k: (v * 100).long() if "norm" in k else v.contiguous() for k, v in state.items()},
               path / "model.safetensors")
     return path
+
+
+def test_a_hugging_face_folder_without_the_safetensors_package_says_what_to_install(pretrained, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as on an install without transformers
+    with pytest.raises(InvalidArgumentError, match="needs the safetensors package to read: pip install safetensors"):
+        fit(meta_llama(tied=True), "dp_shard=2", weights=str(pretrained))

@@ -44,6 +44,11 @@ def file_of_each_tensor(model: nn.Module, shard_bytes: int | None = None) -> dic
 def check_folder(folder) -> str:
     """``folder`` as an absolute path where a Hugging Face folder may be written (before launching)."""
     path = Path(folder).expanduser().resolve()
+    try:
+        import safetensors  # noqa: F401  (torch's writer needs it; transformers brings it)
+    except ImportError:
+        raise InvalidArgumentError("save_pretrained writes safetensors files, which needs the safetensors package: "
+                                   "pip install safetensors") from None
     if path.is_file():
         raise InvalidArgumentError(f"save_pretrained={str(folder)!r} is a file; give a folder to write the model into")
     if path.is_dir() and any(path.glob("*.safetensors")):

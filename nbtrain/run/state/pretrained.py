@@ -94,6 +94,12 @@ def resolve_weights(weights, model: nn.Module) -> Weights:
     name of every tensor to read; raises :class:`InvalidArgumentError` with what is wrong (module docstring)."""
     weights = weights if isinstance(weights, Weights) else Weights(str(weights))
     kind, folder = _folder(Path(weights.path).expanduser())
+    if kind == "safetensors":
+        try:
+            import safetensors  # noqa: F401  (torch's reader needs it; transformers brings it)
+        except ImportError:
+            raise InvalidArgumentError(f"weights={weights.path!r} is a Hugging Face folder, which needs the "
+                                       "safetensors package to read: pip install safetensors") from None
     try:
         saved = _reader(kind, str(folder)).read_metadata().state_dict_metadata
     except Exception as error:  # a damaged header, an unreadable file: say which folder, and what the reader said
