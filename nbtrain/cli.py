@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--cluster", default=None, metavar="FILE",
                    help="plan for the cluster saved in FILE (nbtrain cluster ... --save FILE) instead of --gpu/--gpus")
     q.add_argument("--memory", default=None, help="memory budget per device, e.g. 40GiB (default: the device's)")
+    q.add_argument("--headroom", default=None, metavar="FRACTION",
+                   help="share of each device's memory kept free for the allocator's fragmentation, e.g. 5%% "
+                        "(default 10%% on a GPU, none on the CPU)")
     q.add_argument("--batch", type=_positive_int, required=True, help="global batch: sequences per step")
     q.add_argument("--seq", type=_positive_int, default=None, help="tokens per sequence (default: as profile)")
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype (bf16)")
@@ -179,7 +182,9 @@ def _profile(args) -> None:
 
 
 def _plan(args) -> None:
+    from nbtrain.planner.cost import CostOptions
     from nbtrain.planner.planned import plan_and_compare
+    from nbtrain.units import parse_fraction
     from nbtrain.profiler.hardware import Cluster
     from nbtrain.profiler.model import profile
 
@@ -196,8 +201,9 @@ def _plan(args) -> None:
         cluster = Cluster.this_machine(2, progress=None if args.json else print)
 
     prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
+    headroom = parse_fraction(args.headroom, "--headroom") if args.headroom is not None else None
     job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
-                           strategy=args.strategy, top=args.top)
+                           strategy=args.strategy, top=args.top, cost_options=CostOptions(headroom=headroom))
     if args.json:
         data = job.plan.to_dict()
         data["baselines"] = [{"name": b.name, "plan": b.plan.to_dict() if b.plan else None, "note": b.note}

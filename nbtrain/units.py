@@ -46,6 +46,20 @@ def parse_bytes(text: str | int | float) -> int:
     return int(number * _BYTE_UNITS[unit])
 
 
+def parse_fraction(text, flag: str) -> float:
+    """A fraction below 1 as people type it: ``'10%'``, ``'0.1'``, ``0.1`` or ``'0'``; anything else raises
+    InvalidArgumentError naming ``flag``.
+
+        >>> parse_fraction("10%", "--headroom"), parse_fraction("0.05", "--headroom")
+        (0.1, 0.05)
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", str(text))
+    value = float(match.group(1)) / (100 if match.group(2) else 1) if match else -1.0
+    if not 0 <= value < 1:
+        raise InvalidArgumentError(f"{flag} {text}: give a fraction from 0 to below 1, as '10%' or '0.1'")
+    return value
+
+
 def decimal_note(text: str | None, flag: str = "--memory") -> str | None:
     """How a size in decimal units was read (``24GB`` is 7% less than ``24GiB``), or None for any other size."""
     if not isinstance(text, str) or not re.fullmatch(r"\s*[0-9.eE+-]+\s*[kKmMgGtT][bB]\s*", text):

@@ -31,7 +31,7 @@ from nbtrain.profiler.result import Scaling
 from tests.planner_fixtures import cluster, layer, profile
 
 S = Strategy
-NO_RESERVE = CostOptions(reserve_bytes=0)
+NO_RESERVE = CostOptions(headroom=0, reserve_bytes=0)
 EXACT = 1e-9
 P = 1_000_000
 

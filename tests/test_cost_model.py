@@ -33,7 +33,7 @@ from tests.planner_fixtures import cluster, layer, per_token, profile
 
 S = Strategy
 P_EMBED, P_BLOCK, P_HEAD = 800_000, 8_000_000, 1_600_000
-NO_RESERVE = CostOptions(reserve_bytes=0)
+NO_RESERVE = CostOptions(headroom=0, reserve_bytes=0)
 EXACT = 1e-9
 
 
@@ -192,21 +192,32 @@ def test_stage_memory_is_the_sum_of_resident_bytes_plus_the_largest_transient():
 
 
 def test_the_reserve_is_added_to_every_stage_once():
-    pred = cost_model(options=CostOptions(reserve_bytes=12_345)).estimate(plan(S(dp_shard=8), global_batch=16))
+    pred = cost_model(options=CostOptions(headroom=0, reserve_bytes=12_345)).estimate(plan(S(dp_shard=8), global_batch=16))
     # ZeRO-3 on all four layers, b = 2: states 2 bytes/param = 1.6M + 16M + 16M + 3.2M, saved 3,200 + 2·200,000 +
     # 100,000, largest transient the blocks' 2·2P = 32M, plus the reserve
     assert pred.memory_bytes == pytest.approx(36_800_000 + 503_200 + 32_000_000 + 12_345, rel=EXACT)
-    two_stages = cost_model(options=CostOptions(reserve_bytes=12_345)).estimate(
+    two_stages = cost_model(options=CostOptions(headroom=0, reserve_bytes=12_345)).estimate(
         plan(S(dp_shard=4), pp=2, global_batch=16))
     assert [s.memory.reserve for s in two_stages.stages] == [12_345, 12_345]
 
 
-def test_the_default_reserve_is_one_gib_on_a_gpu_and_nothing_on_the_cpu():
-    gpu = cost_model(options=CostOptions()).estimate(plan(S(dp_shard=8), global_batch=16))
+def test_the_default_reserve_is_one_gib_and_a_tenth_of_the_budget_on_a_gpu_and_nothing_on_the_cpu():
+    model = cost_model(options=CostOptions())
+    gpu = model.estimate(plan(S(dp_shard=8), global_batch=16))
     cpu = cost_model(options=CostOptions(), device="cpu").estimate(plan(S(dp_shard=8), global_batch=16))
-    assert gpu.stages[0].memory.reserve == GiB
+    reserve = GiB + int(0.1 * model.cluster.device_memory)  # CUDA context + NCCL buffers, and the allocator headroom
+    assert gpu.stages[0].memory.reserve == reserve
     assert cpu.stages[0].memory.reserve == 0
-    assert gpu.memory_bytes - cpu.memory_bytes == pytest.approx(GiB, rel=EXACT)
+    assert gpu.memory_bytes - cpu.memory_bytes == pytest.approx(reserve, rel=EXACT)
+    halved = CostModel(model.profile, model.cluster, global_batch=16, budget_bytes=model.cluster.device_memory / 2)
+    assert halved.reserve == GiB + int(0.05 * model.cluster.device_memory)  # a tenth of the budget --memory gives
+    assert cost_model(options=CostOptions(headroom=0.25)).reserve == GiB + int(0.25 * model.cluster.device_memory)
+
+
+@pytest.mark.parametrize("headroom", [-0.1, 1, 1.5, "10%"])
+def test_a_headroom_outside_zero_to_one_is_refused_with_the_form_it_takes(headroom):
+    with pytest.raises(InvalidPlanError, match="fraction of each device's memory kept free"):
+        CostOptions(headroom=headroom)
 
 
 def test_1f1b_stage_i_holds_min_of_pp_minus_i_and_m_micro_batches():
@@ -374,7 +385,7 @@ def test_offloaded_update_overlaps_backward_in_cotrain_and_is_serial_in_zero_off
     # ZeRO-3 shard of 8M / 8 = 1M params on the CPU: AdamW at 8e9 / 8 devices = 1e9 params/s → 1 ms;
     # PCIe: 1M · (4 bytes of fp32 grad down + 2 bytes of bf16 param up) / 1e9 = 6 ms; backward 4 ms
     overlapped = cost_model().layer(1, S(dp_shard=8, offload=1.0), 1).time.offload
-    serial = cost_model(options=CostOptions(reserve_bytes=0, offload_overlap=False)).layer(
+    serial = cost_model(options=CostOptions(headroom=0, reserve_bytes=0, offload_overlap=False)).layer(
         1, S(dp_shard=8, offload=1.0), 1).time.offload
     assert overlapped == pytest.approx(max(1e-3, 6e-3) - 4e-3, rel=EXACT)
     assert serial == pytest.approx(1e-3 + 6e-3, rel=EXACT)
@@ -384,7 +395,7 @@ def test_on_a_cpu_device_the_update_copies_its_weights_and_the_device_share_take
     # One CPU "device" (the executor's emulation: forward and backward on one core, the update on another):
     # 8M params, half offloaded, fp32. The CPU: 4M at 8e9 params/s = 0.5 ms, plus copying 4M · 4 bytes of new
     # weights into the parameters at 1e9 B/s = 16 ms; no PCIe. The device's half at the same rate: 0.5 ms.
-    unclipped = CostOptions(reserve_bytes=0, clip=False)
+    unclipped = CostOptions(headroom=0, reserve_bytes=0, clip=False)
     model = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu", options=unclipped)
     cost = model.layer(1, S(offload=0.5), microbatches=1)
     backward = 2e7 * 100 / 1e12  # one sequence of 100 tokens, 2e7 FLOPs per token: 2 ms, overlapping the update
@@ -397,14 +408,14 @@ def test_clipping_on_a_cpu_device_reads_every_gradient_for_the_norm_then_reads_a
     # 8M fp32 gradients = 32 MB; three passes at the CPU's copy rate (1e9 B/s): 96 ms more than without clipping
     clipped = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu").layer(1, S(), 1).time.update
     unclipped = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu",
-                           options=CostOptions(reserve_bytes=0, clip=False)).layer(1, S(), 1).time.update
+                           options=CostOptions(headroom=0, reserve_bytes=0, clip=False)).layer(1, S(), 1).time.update
     assert clipped - unclipped == pytest.approx(3 * 8e6 * 4 / 1e9, rel=EXACT)
 
 
 def test_an_offloaded_update_cannot_hide_under_backward_on_a_cpu_whose_processes_take_every_core():
     # the same layer as above, one process on one core: the CPU update has no core of its own, all of it shows
     shared = cost_model(1, prof=toy(dtype="float32"), devices=1, device="cpu", host_cores=1,
-                        options=CostOptions(reserve_bytes=0, clip=False)).layer(1, S(offload=0.5), 1)
+                        options=CostOptions(headroom=0, reserve_bytes=0, clip=False)).layer(1, S(offload=0.5), 1)
     assert shared.time.offload == pytest.approx(0.5e-3 + 16e-3, rel=EXACT)
 
 
@@ -421,13 +432,13 @@ def test_a_profile_measured_on_this_machine_gives_the_compute_time_scaled_by_flo
     assert catalog.time.compute == pytest.approx(by_flops, rel=EXACT)  # not this machine: FLOPs over the rate
     elsewhere = CostModel(measured, cluster(1, 1, source="detected"), global_batch=4, options=NO_RESERVE)
     assert elsewhere.layer(1, S(), 1).time.compute == pytest.approx(by_flops, rel=EXACT)  # measured on the CPU
-    off = CostModel(measured, here, global_batch=4, options=CostOptions(reserve_bytes=0, measured_compute=False))
+    off = CostModel(measured, here, global_batch=4, options=CostOptions(headroom=0, reserve_bytes=0, measured_compute=False))
     assert off.layer(1, S(), 1).time.compute == pytest.approx(by_flops, rel=EXACT)
 
 
 def test_the_zero_offload_schedule_is_never_faster_than_the_overlapped_one():
     overlapped = cost_model()
-    serial = cost_model(options=CostOptions(reserve_bytes=0, offload_overlap=False))
+    serial = cost_model(options=CostOptions(headroom=0, reserve_bytes=0, offload_overlap=False))
     checked = 0
     for pp, m in itertools.product((1, 2), (1, 2, 4)):
         for s in strategy_space(8 // pp, devices_per_node=8, offload_levels=(0.0, 0.25, 1.0), max_dp=16 // m):

@@ -92,6 +92,28 @@ def test_a_memory_nbtrain_cannot_read_is_one_line_before_the_cell_runs(shell, ty
     assert "ran" not in shell.user_ns
 
 
+# --headroom: the share of each device's memory the plan leaves free for the allocator ----------------------------
+
+@pytest.mark.parametrize("typed, kept", [(None, 0.10), ("5%", 0.05), ("0.2", 0.20), ("0", 0.0)])
+def test_headroom_is_the_share_of_the_budget_the_plan_leaves_free(shell, capsys, typed, kept):
+    flag = f" --headroom {typed}" if typed is not None else ""
+    plan = cell(shell, f"--gpus 2 --batch 8 --memory 24GiB{flag}")
+    out = capsys.readouterr().out
+    free = dict(plan.predicted.reserve_parts).get(f"allocator headroom ({kept:.0%} of 24.00 GiB)", 0)
+    assert free == int(kept * 24 * GiB)
+    if kept:  # the table's reserved line names it, with the budget it is a share of
+        assert f"allocator headroom ({kept:.0%} of 24.00 GiB) {2.4 * kept / 0.1:.2f} GiB" in out
+    # what the plan's own tensors may use: the budget less the CUDA context, NCCL's buffers and the headroom
+    assert plan.predicted.memory_bytes - plan.predicted.stages[0].memory.reserve <= (1 - kept) * 24 * GiB - GiB
+
+
+@pytest.mark.parametrize("typed", ["150%", "1", "lots", "ten"])
+def test_a_headroom_outside_zero_to_one_is_one_line_before_the_cell_runs(shell, typed):
+    assert refused(shell, f"--gpus 2 --headroom {typed}").startswith(
+        f"--headroom {typed}: give a fraction from 0 to below 1, as '10%' or '0.1'")
+    assert "ran" not in shell.user_ns
+
+
 def test_the_issue_cell_a_default_gpt2_with_memory_in_gib_plans(shell):
     plan = cell(shell, "--gpus 8 --memory 24GiB --batch 16 --seq 512 -o plan",
                 "from transformers import GPT2Config, GPT2LMHeadModel\n"

@@ -66,6 +66,21 @@ def test_ddp_is_chosen_over_fsdp_and_uniform_over_a_mix_when_their_steps_are_equ
     assert simplest_near(slower_ddp) == fsdp
 
 
+def test_a_plan_with_room_is_chosen_over_one_percent_faster_plan_that_fills_its_memory():
+    fsdp, zero2 = (nbtrain.Plan.parse(text, num_devices=2, num_layers=3) for text in ("dp_shard=2", "dp_shard=2 zero=2"))
+    # usable memory: 80 less 9 reserved = 71; zero=2 uses 70.5 of it (99.3%), the FSDP plan 60 (84.5%)
+    edge = zero2.replace(predicted=_Predicted(1.000, memory=79.5))
+    room = fsdp.replace(predicted=_Predicted(1.010, memory=69.0))
+    assert simplest_near([edge, room]) == room
+    assert simplest_near([edge, fsdp.replace(predicted=_Predicted(1.030, memory=69.0))]) == edge  # past 2%
+
+
+class _Stage:
+    def __init__(self, reserve: float):
+        self.memory = type("Memory", (), {"reserve": reserve})()
+
+
 class _Predicted:
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, memory: float = 40.0, budget: float = 80.0, reserve: float = 9.0):
         self.step_time_s = seconds
+        self.memory_bytes, self.budget_bytes, self.stages = memory, budget, (_Stage(reserve),)

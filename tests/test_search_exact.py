@@ -29,7 +29,7 @@ from nbtrain.profiler.result import Scaling
 
 from tests.planner_fixtures import KINDS, cluster, layer, profile
 
-NO_RESERVE = CostOptions(reserve_bytes=0)
+NO_RESERVE = CostOptions(headroom=0, reserve_bytes=0)
 EXACT = 1e-9
 MAX_PLANS = 8_000
 """Plans the brute force evaluates per instance at most (~140 µs each)."""

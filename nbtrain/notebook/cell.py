@@ -22,6 +22,7 @@ from torch import nn
 from nbtrain.data import stdlib_batches
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import layer_slots
+from nbtrain.planner.cost import CostOptions
 from nbtrain.planner.planned import PlannedModel, plan_and_compare
 from nbtrain.planner.scale import scale_plan
 from nbtrain.planner.search_space import SearchOptions
@@ -175,11 +176,13 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
                gpu: str | None = None, processes: int = 2,
                memory: str | int | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
                strategy: str | None = None, offload: bool = False, top: int = 3,
-               loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None) -> PlannedCell:
+               loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None,
+               headroom: float | None = None) -> PlannedCell:
     """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags; one given,
     the other defaults to 8 / H100) or, with neither, for this machine (:meth:`Cluster.this_machine`: its GPUs, or
     ``processes`` CPU processes, measured). ``data`` (``--data``): for a model that takes no token ids, it is
-    profiled on inputs shaped like the first batch."""
+    profiled on inputs shaped like the first batch. ``headroom`` (``--headroom``): the share of each device's
+    memory kept free for the allocator (default 10% on a GPU, :class:`~nbtrain.planner.cost.CostOptions`)."""
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn, _inputs_for(model, data), tp_plan)
     if gpus is None and gpu is None and gpus_per_node is None:
@@ -190,7 +193,7 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
     options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
     job = plan_and_compare(profile, cluster, global_batch=batch or 4 * gpus, seq_len=seq, memory=memory,
-                           strategy=strategy, top=top, options=options)
+                           strategy=strategy, top=top, options=options, cost_options=CostOptions(headroom=headroom))
     return PlannedCell(name, job)
 
 

@@ -40,6 +40,18 @@ def check_line(args, *, local_devices) -> int | None:
     return memory
 
 
+def headroom(args) -> float | None:
+    """``--headroom`` as a fraction (``10%`` or ``0.1``), or None when not given."""
+    from nbtrain.units import parse_fraction
+
+    if args.headroom is None:
+        return None
+    try:
+        return parse_fraction(args.headroom, "--headroom")
+    except NbtrainError as error:
+        raise UsageError(str(error)) from None
+
+
 def _memory(text: str | None) -> int | None:
     from nbtrain.units import parse_bytes
 

@@ -49,6 +49,9 @@ class AutoparallelMagics(Magics):
                                          "--processes CPU processes)")
     @argument("--memory", default=None, help="memory budget per device: 24GiB, '24 GiB', 24g (binary units), 24GB "
                                              "(decimal), or a number of bytes (default: the device's)")
+    @argument("--headroom", default=None, metavar="FRACTION", help="share of each device's memory kept free for "
+                                                                  "the allocator, e.g. 5%% (default 10%% on a GPU, "
+                                                                  "none on the CPU)")
     @argument("--batch", type=int, default=None, help="global batch: sequences per step (default 4 per device)")
     @argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context, ≤ 1024)")
     @argument("--dtype", default="bf16", help="training dtype for the plan: bf16, fp16 or fp32 (default bf16)")
@@ -112,6 +115,7 @@ class AutoparallelMagics(Magics):
 
         # Every flag is checked before the cell's own code runs: a typo costs nothing and undoes nothing.
         memory = flags.check_line(args, local_devices=_local_devices)
+        headroom = flags.headroom(args)
         namespace = self.shell.user_ns
         if args.data in namespace:  # made by an earlier cell: checked before this cell's code runs
             check_data(namespace[args.data], args.data)
@@ -137,7 +141,7 @@ class AutoparallelMagics(Magics):
                          processes=args.processes or _local_devices(),
                          memory=memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
                          strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=checked_loss,
-                         data=data, tp_plan=tp_plan)
+                         data=data, tp_plan=tp_plan, headroom=headroom)
         plan = job.plan
         if args.output:
             namespace[args.output] = plan

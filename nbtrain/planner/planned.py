@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nbtrain.planner.cost import CostOptions
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.recommend import baselines, plan
 from nbtrain.planner.report import comparison_table
@@ -53,11 +54,12 @@ class PlannedModel:
 
 def plan_and_compare(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
                      memory=None, strategy: str | None = None, top: int = 3,
-                     options: SearchOptions = SearchOptions()) -> PlannedModel:
+                     options: SearchOptions = SearchOptions(),
+                     cost_options: CostOptions = CostOptions()) -> PlannedModel:
     """Plan ``profile`` for ``cluster`` (:func:`~nbtrain.planner.recommend.plan`) and predict the baselines beside it
-    under the same memory budget."""
+    under the same memory budget and cost options (the allocator headroom among them)."""
     best = plan(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=memory, strategy=strategy,
-                top=top, options=options)
+                top=top, options=options, cost_options=cost_options)
     known = baselines(profile, cluster, global_batch=global_batch, seq_len=seq_len or profile.seq_len,
-                      memory=best.predicted.budget_bytes)
+                      memory=best.predicted.budget_bytes, cost_options=cost_options)
     return PlannedModel(profile, cluster, best, known, "your plan" if strategy else "recommended")

@@ -150,8 +150,10 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
     rest = tuple(p for p in ranked if p != best)[:top - 1]
     if best != ranked[0]:
         gain = best.predicted.step_time_s / ranked[0].predicted.step_time_s - 1
-        notes += (f"the simplest plan within {NEAR:.0%} of the fastest predicted step was chosen; the fastest, "
-                  f"{ranked[0]}, is {gain:.2%} faster (alternative 1)",)
+        why = "with room in memory" if at_edge(ranked[0]) and not at_edge(best) else "simplest"
+        notes += (f"the {why} plan within {NEAR:.0%} of the fastest predicted step was chosen; the fastest, "
+                  f"{ranked[0]}, is {gain:.2%} faster (alternative 1)" +
+                  (f" but fills its memory to within {EDGE:.0%}" if why != "simplest" else ""),)
     return best.replace(predicted=best.predicted, alternatives=rest, notes=notes)
 
 
@@ -168,11 +170,26 @@ def simplicity(plan: Plan) -> tuple:
             any(s.offload for s in layers), any(s.ac for s in layers))
 
 
+EDGE = 0.03
+"""A plan that leaves less than 3% of the memory it may fill (the budget less the reserve) unused is at the edge: a
+prediction off by that much turns it into an out-of-memory error, so a plan with room within :data:`NEAR` of its
+time is preferred to it."""
+
+
+def at_edge(plan: Plan) -> bool:
+    """Whether ``plan`` fills its usable memory (budget less the reserve) to within :data:`EDGE`."""
+    pred = plan.predicted
+    reserve = max((stage.memory.reserve for stage in pred.stages), default=0.0)
+    usable = pred.budget_bytes - reserve
+    return usable > 0 and pred.memory_bytes - reserve > (1 - EDGE) * usable
+
+
 def simplest_near(ranked: list[Plan]) -> Plan:
-    """The simplest of the plans (fastest first) whose predicted step is within :data:`NEAR` of the fastest's."""
+    """Of the plans (fastest first) whose predicted step is within :data:`NEAR` of the fastest's, one with room
+    (not :func:`at_edge`) before one at the edge, then the simplest, then the fastest."""
     limit = ranked[0].predicted.step_time_s * (1 + NEAR)
     near = [p for p in ranked if p.predicted.step_time_s <= limit]
-    return min(near, key=lambda p: (simplicity(p), p.predicted.step_time_s))
+    return min(near, key=lambda p: (at_edge(p), simplicity(p), p.predicted.step_time_s))
 
 
 def _uniform_variants(model: CostModel, plan: Plan) -> list[Plan]:
@@ -208,6 +225,20 @@ def _need(need: float, budget: float) -> str:
     return text if text != format_bytes(budget) else f"{math.ceil(need):,} bytes"
 
 
+def _at_its_own_budget(pred) -> tuple[float, float, tuple]:
+    """(the budget per device at which the predicted plan just fits, its reserve there, the reserve's parts there):
+    the allocator headroom is a share of the budget, so a plan needing ``need`` at a budget ``B`` with headroom
+    ``h·B`` needs ``(need − h·B) / (1 − h)``, and the headroom grows with it."""
+    need, budget, parts = pred.memory_bytes, pred.budget_bytes, tuple(pred.reserve_parts)
+    share = sum(nbytes for what, nbytes in parts if what.startswith("allocator headroom")) / budget if budget else 0
+    if not share:
+        return need, pred.stages[0].memory.reserve, parts
+    enough = (need - share * budget) / (1 - share)
+    parts = tuple((f"allocator headroom ({share:.0%} of {_need(enough, 0)})", int(share * enough))
+                  if what.startswith("allocator headroom") else (what, nbytes) for what, nbytes in parts)
+    return enough, sum(nbytes for _, nbytes in parts), parts
+
+
 def _no_fit_message(profile, cluster, global_batch, lean: Plan | None,
                     options: SearchOptions = SearchOptions()) -> str:
     """Why no plan fits, with the numbers: the reserve, the leanest plan's memory (always more than the budget, or
@@ -216,7 +247,8 @@ def _no_fit_message(profile, cluster, global_batch, lean: Plan | None,
     if lean is None:
         return _no_split_message(profile, cluster, global_batch, options)
     pred = lean.predicted
-    need, budget, reserve = pred.memory_bytes, pred.budget_bytes, pred.stages[0].memory.reserve
+    budget, reserve = pred.budget_bytes, pred.stages[0].memory.reserve
+    need, reserve_there, parts_there = _at_its_own_budget(pred)
     where = f"no plan fits {format_bytes(budget)} per device on {n} × {cluster.device}"
     given = [what for what, _ in pred.reserve_parts] == ["CostOptions.reserve_bytes"]
     parts = "as CostOptions.reserve_bytes says" if given else \
@@ -225,16 +257,18 @@ def _no_fit_message(profile, cluster, global_batch, lean: Plan | None,
         source = "" if given else "; sources in nbtrain/planner/cost.py"
         return (f"{where}: nbtrain reserves {format_bytes(reserve)} of each device before the model ({parts}"
                 f"{source}), which alone does not fit; the leanest plan nbtrain knows, "
-                f"'{lean}', needs {_need(need - reserve, 0)} beside it, {_need(need, budget)} per device in all. "
+                f"'{lean}', needs {_need(need - reserve_there, 0)} beside it, {_need(need, budget)} per device in "
+                "all. "
                 f"Give at least {_need(need, budget)} per device, or set the reserve your runtime needs with "
-                "CostOptions(reserve_bytes=...)")
+                "CostOptions(reserve_bytes=...) and the allocator headroom with --headroom")
     host = max(stage.host_bytes for stage in pred.stages)
     if need <= budget and host > pred.host_budget_bytes:
         return (f"{where}: the leanest plan nbtrain knows, '{lean}', fits the device ({format_bytes(need)}) but "
                 f"keeps {_need(host, pred.host_budget_bytes)} of optimizer state in host memory per device, more "
                 f"than its {format_bytes(pred.host_budget_bytes)}; use hosts with more memory, more devices, or "
                 "less offload (SearchOptions(offload_levels=(0.0, 0.5)))")
-    reserved = f" ({format_bytes(reserve)} of it reserved{',' if given else ':'} {parts})" if reserve else ""
+    parts = parts if given else _and([f"{what} {format_bytes(nbytes)}" for what, nbytes in parts_there])
+    reserved = f" ({format_bytes(reserve_there)} of it reserved{',' if given else ':'} {parts})" if reserve else ""
     offload = "" if max(options.offload_levels) > 0 else \
         ", or let the plan update on the CPU (SearchOptions(offload_levels=(0.0, 0.5, 1.0)); %%autoparallel --offload)"
     return (f"{where}: the leanest plan nbtrain knows, '{lean}', needs {_need(need, budget)} per device"

@@ -38,6 +38,9 @@ def launch_env(cpu_only: bool):
     # the parent loaded (it read its environment at `import torch`); there one intra-op thread is what prevents
     # spinning. This reaches what the workers start afresh (exec'd tools, spawned helpers). The user's setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not cpu_only:  # the caching allocator grows one mapping instead of caching fixed segments, which fragment
+        # (PyTorch's remedy, as torchtitan's launcher sets it); the planner's headroom assumes it. The user's wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         with cpu_env(cpu_only):
             yield
