@@ -13,7 +13,7 @@ these; tests call them directly.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -26,12 +26,12 @@ from nbtrain.planner.cost import CostOptions
 from nbtrain.planner.planned import PlannedModel, plan_and_compare
 from nbtrain.planner.scale import scale_plan
 from nbtrain.planner.search_space import SearchOptions
-from nbtrain.profiler.catalog import local_gpus
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.profiler.model import lm_loss, profile
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.fit import fit
+from nbtrain.run.predict_here import predict_here
 from nbtrain.units import parse_bytes
 
 LOCAL_SEQ = 128
@@ -192,9 +192,52 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     gpus = cluster.num_devices
     # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
     options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
+    here = cluster.source != "catalog" and cluster.device == "cpu"
+    if here and seq is None:  # what a launch here trains on (train_here)
+        seq = min(profile.seq_len, LOCAL_SEQ)
     job = plan_and_compare(profile, cluster, global_batch=batch or 4 * gpus, seq_len=seq, memory=memory,
                            strategy=strategy, top=top, options=options, cost_options=CostOptions(headroom=headroom))
+    if here:
+        job = as_launched_here(job, model, loss_fn=loss_fn, inputs=_inputs_for(model, data), tp_plan=tp_plan,
+                               headroom=headroom)
     return PlannedCell(name, job)
+
+
+def as_launched_here(job: PlannedModel, model: nn.Module, *, loss_fn=None, inputs=None, tp_plan=None,
+                     headroom: float | None = None) -> PlannedModel:
+    """The plans of a job planned for this machine's CPU processes, predicted as ``--launch`` (``fit``) predicts
+    them (:func:`~nbtrain.run.predict_here.predict_here`: every layer timed here at the plan's micro-batch), so
+    the table and the launch print one number for one plan; the recommendation is chosen again on those numbers
+    (the simplest within 2% of the fastest, :func:`~nbtrain.planner.recommend.simplest_near`). The search itself
+    ranks on the profile's FLOPs and one timing: timing every candidate would take minutes."""
+    from nbtrain.planner.recommend import Baseline, simplest_near
+
+    processes = job.cluster.num_devices
+    cache: dict = {}
+
+    def again(plan, options: CostOptions):
+        key = (str(plan), plan.pp, plan.microbatches, plan.global_batch, plan.seq_len, options)
+        if key not in cache:
+            cache[key] = plan.replace(predicted=predict_here(
+                model, plan, job.cluster, num_processes=processes, seq_len=plan.seq_len, inputs=inputs,
+                loss_fn=loss_fn, tp_plan=tp_plan, options=options))
+        return cache[key]
+
+    base = CostOptions(headroom=headroom)
+    shown = [again(job.plan.replace(alternatives=(), notes=()), base)] + \
+        [again(p, base) for p in job.plan.alternatives]
+    known = [Baseline(b.name, again(b.plan, b.options), b.note, b.options) if b.plan is not None else b
+             for b in job.baselines]
+    notes = tuple(n for n in job.plan.notes if not n.startswith("the simplest plan within"))
+    if job.label == "recommended":
+        ranked = sorted(shown + [b.plan for b in known if b.fits and b.options == base and b.plan not in shown],
+                        key=lambda p: p.predicted.step_time_s)
+        best = simplest_near([p for p in ranked if p.predicted.fits] or ranked)
+        rest = tuple(p for p in ranked if p != best)[:len(job.plan.alternatives)]
+    else:
+        best, rest = shown[0], tuple(shown[1:])
+    return replace(job, plan=best.replace(predicted=best.predicted, alternatives=rest, notes=notes),
+                   baselines=known)
 
 
 _PROFILES: dict = {}
@@ -272,12 +315,14 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
                                    f"{processes} processes: {error}") from None
     else:
         seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
-        local = scale_plan(plan, processes, seq_len=seq)
+        # a plan made for these processes runs as planned (its batch, and its length where short enough for a CPU
+        # step), so the launch predicts what the plan table did; a bigger cluster's plan runs scaled down, small
+        same = plan.num_devices == processes and plan.global_batch
+        local = scale_plan(plan, processes, seq_len=seq, global_batch=plan.global_batch if same else None)
         data = stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
-    # this machine's cluster, for the prediction beside the measurement (fit narrows it to the processes); its GPUs
-    # named through NVML: CUDA initialised in this kernel would keep the launch from forking its workers
-    here = Cluster.this_machine(processes, progress=lambda *_: None) if local_gpus() else \
-        Cluster.detect(calibrate=False)
+    # this machine's cluster, for the prediction beside the measurement, as the plan table priced it (calibrated
+    # once per kernel); its GPUs named through NVML: CUDA initialised here would keep the launch from forking
+    here = Cluster.this_machine(processes, progress=lambda *_: None)
     return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
                        checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan, weights=weights,

@@ -37,6 +37,10 @@ _UNITS = {  # field → (unit for messages, is a byte count)
 }
 
 
+_CALIBRATED: dict = {}
+"""This machine's CPU as :meth:`Cluster.this_machine` calibrated it, measured once per process."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """The machines a plan runs on. Build one with :meth:`from_catalog` or :meth:`detect`; all fields are SI."""
@@ -186,8 +190,9 @@ class Cluster:
             cluster = cls.from_catalog(entry, num_devices=gpus, devices_per_node=gpus, device_memory=memory,
                                        host_memory=local_memory(), source="detected")
             return cluster if by_name else cluster.replace(device=name)
-        cluster = cls.detect(calibrate=True)
-        cluster = cluster.replace(num_devices=processes, devices_per_node=processes)
+        if "cpu" not in _CALIBRATED:  # once per process: the plan table and the launch price with the same rates
+            _CALIBRATED["cpu"] = cls.detect(calibrate=True)
+        cluster = _CALIBRATED["cpu"].replace(num_devices=processes, devices_per_node=processes)
         return cluster.with_links(processes, progress=progress) if processes > 1 else cluster
 
     def with_measurements(self, measurements) -> Cluster:

@@ -30,11 +30,9 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.models.description import describe
 from nbtrain.planner.plan import Plan
-from nbtrain.planner.cost import estimate
-from nbtrain.profiler.model import lm_loss, profile
+from nbtrain.profiler.model import lm_loss
 from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
 from nbtrain.profiler.inputs import inputs_like
-from nbtrain.profiler.timed import timed_profile
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.state.checkpoint import folder_for_run, with_resume_hint
 from nbtrain.run.state.hf_folder import check_folder, file_of_each_tensor
@@ -43,6 +41,7 @@ from nbtrain.run.state.pretrained import resolve_weights
 from nbtrain.run.state.weights import load_trained
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.fit_result import FitResult
+from nbtrain.run.predict_here import predict_here
 from nbtrain.run.fit_worker import RunSettings, fit_worker
 from nbtrain.run.trainer import check_on_nonfinite
 
@@ -78,11 +77,6 @@ def _check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
     if not eps > 0 or not weight_decay >= 0:
         raise InvalidArgumentError(f"eps={eps!r} must be positive and weight_decay={weight_decay!r} at least 0")
     return (b1, b2), float(eps), float(weight_decay), bool(decay_norms_and_biases)
-
-
-def per_device_batch(plan: Plan) -> int:
-    """Sequences one device computes per micro-batch under the plan's widest data parallelism (at least one)."""
-    return max(1, plan.global_batch // (plan.microbatches * max(s.dp for s in plan.layers)))
 
 
 def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps: int, num_processes: int | None = None,
@@ -216,24 +210,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
                                        "nbtrain.Cluster.detect() for this machine, or Cluster.load(FILE)")
         if not runs_in_this_process(num_processes):  # before measuring anything for that many processes
             check_limit(num_processes, visible_gpus())
-        if cluster.num_devices != num_processes and cluster.num_nodes == 1:
-            # Cluster.detect() counts every core (or GPU) of this machine; the run uses num_processes of them
-            cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
         first = get_batch(0)  # a model without token ids is profiled on inputs shaped like its batches
         inputs = None if is_token_ids(first[0]) else inputs_like(first)
-        workload = dict(seq_len=length, inputs=inputs, loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
-        timed = cluster.source != "catalog" and not has_meta(model)  # a meta model has no weights to time here
-        if timed and cluster.device == "cpu":  # this machine: time it as the workers will
-            cluster = cluster.with_links(num_processes) if num_processes > 1 else cluster
-            prof = timed_profile(model, batch_size=per_device_batch(plan), **workload)
-        elif timed and torch.cuda.is_available() and runs_in_this_process(num_processes):
-            # this machine's GPU, timed there with CUDA events (a forked launch cannot: CUDA must not be initialised
-            # in the process that forks, so it is priced from the datasheet and the calibration)
-            prof = timed_profile(model, batch_size=per_device_batch(plan), device="cuda",
-                                 dtype="bf16" if precision == "bf16" else "fp32", **workload)
-        else:
-            prof = profile(model, batch_size=1, dtype="fp32", **workload)
-        prediction = estimate(plan, prof, cluster)
+        prediction = predict_here(model, plan, cluster, num_processes=num_processes, seq_len=length, inputs=inputs,
+                                  loss_fn=loss_fn, tp_plan=tp_plan, precision=precision,
+                                  in_this_process=runs_in_this_process(num_processes))
         predicted, predicted_memory = prediction.step_time_s, prediction.memory_bytes
     folder, start = folder_for_run(model, checkpoint_dir, checkpoint_every, resume, steps)
     run = RunSettings(steps, lr, clip_norm, loss_fn, seed, progress, precision, lr_schedule,

@@ -1,0 +1,36 @@
+"""One plan, one prediction: a plan made for this machine's processes shows the same predicted step in the plan
+table, in the comparison, and beside the measured step of its launch (issue 28, point 4) — calibrated once per kernel
+and profiled with the layers timed here at the plan's micro-batch, the way the launch prices it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+CELL = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, "
+        "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, "
+        "use_cache=False))\n")
+
+
+@pytest.fixture(autouse=True)
+def noninteractive(monkeypatch):
+    monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")
+
+
+@pytest.mark.parametrize("strategy", [None, "pp=2 mb=4"])
+def test_the_plan_table_and_the_launch_print_the_same_predicted_step(shell, capsys, strategy):
+    typed = f' --strategy "{strategy}"' if strategy else ""
+    result = shell.run_cell(f"%%autoparallel --processes 2 --batch 8 --seq 32 --steps 3 --launch -o got{typed}\n"
+                            f"{CELL}")
+    assert result.success, result.error_in_exec
+    out = capsys.readouterr().out
+    planned = re.search(r"^predicted: ([0-9.]+ [µm]?s) per step", out, re.M)
+    launched = re.search(r"measured step time \(median after the first\): [0-9.]+ [µm]?s · predicted: "
+                         r"([0-9.]+ [µm]?s)", out)
+    assert planned and launched, out
+    assert planned.group(1) == launched.group(1), out
+    label = "your plan" if strategy else "recommended"
+    row = re.search(rf"^{label}\s+\S.*?\s([0-9.]+ [µm]?s)\s", out, re.M)
+    assert row and row.group(1) == planned.group(1), out  # the comparison's row is the same number
