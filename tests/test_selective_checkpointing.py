@@ -8,6 +8,8 @@ with no checkpointing, full checkpointing and the executor's own ``ac=op`` polic
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
 
 import pytest
@@ -164,3 +166,25 @@ def test_selective_checkpointing_trains_with_the_losses_of_one_process(runs, wor
     reference, got = runs["reference"], runs[world][plan]
     assert got == pytest.approx(reference, rel=1e-4), f"{plan} on {world} processes"
     assert reference[-1] < reference[0]  # it did train
+
+
+def test_a_model_that_is_one_layer_is_checkpointed_per_op_in_place_with_its_gradients_unchanged():
+    from nbtrain.models.description import layer_slots
+    from nbtrain.run.parallel.mesh import PlanMeshes
+    from nbtrain.run.parallel.parallelize import parallelize
+    from tests.distributed_fixtures import single_process_group
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    model = copy.deepcopy(reference)
+    assert len(layer_slots(model)) == 1  # no blocks: the model is its one layer
+    x = torch.randn(4, 8)
+    with single_process_group():
+        plan = Plan.parse("ac=op", num_devices=1, num_layers=1)
+        model = parallelize(model, plan, PlanMeshes(plan))
+        assert isinstance(model.forward, functools.partial)  # checkpointed in place: no parent holds a wrapper
+        assert "context_fn" in model.forward.keywords  # per op
+        model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=0)

@@ -36,6 +36,7 @@ from nbtrain.models.stages import stage_layers
 from nbtrain.models.tensor_parallel import style_for
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
+from nbtrain.profiler.selective import SAVED_OPS
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import place_module
 from nbtrain.run.state.materialize import FromModel, Initialize, materialize
@@ -154,21 +155,9 @@ def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: Pla
     place_module(traced.module, meshes.device, skip={p for p in traced.module.parameters() if id(p) not in used})
 
 
-# Per-op selective checkpointing (``ac=op``) keeps the outputs of these ops and recomputes every other op in
-# backward: the matmuls (what costs FLOPs to redo) and attention (FLOPs, and the softmax statistics its backward
-# reads), as torchtitan's "op" SAC does (torchtitan/distributed/activation_checkpoint.py, which also saves
-# reduce-scatters and maxima; nbtrain recomputes those with the rest).
-_aten = torch.ops.aten
-SAVED_OPS = frozenset(op for op in (
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-    getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-) if op is not None)
-
-
 def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The ``ac=op`` policy: keep what :data:`SAVED_OPS` compute, recompute the rest."""
+    """The ``ac=op`` policy: keep the outputs of the matmuls and attention
+    (:data:`nbtrain.profiler.selective.SAVED_OPS`, what the profiler counts as kept), recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -177,7 +166,7 @@ def checkpoint_kwargs(mode) -> dict:
     non-reentrant, and for ``"op"`` a fresh pair of selective-checkpoint contexts each call (they hold that call's
     saved outputs).
 
-        >>> wrapped = checkpoint_wrapper(nn.Linear(4, 4), **checkpoint_kwargs("op"))
+        >>> y = checkpoint(nn.Linear(4, 4), torch.randn(2, 4), **checkpoint_kwargs("op"))  # keeps the addmm's output
     """
     if mode == "op":
         return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts,
