@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 import nbtrain
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.cost import NON_MATMUL_SHARE, CostModel
+from nbtrain.planner.cost import CostModel
+from nbtrain.planner.selective_cost import NON_MATMUL_SHARE
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.result import ModelProfile

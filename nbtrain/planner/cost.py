@@ -16,8 +16,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch; tensor parallelism without
   sequence parallelism (what the executor runs) divides them by ``tp`` except the hidden-sized tensors every rank
   holds whole (a block's norms' inputs and outputs: four hidden states); with checkpointing only the layer's input
-  is kept, whole; with per-op selective checkpointing (``ac=op``, torchtitan's "op" SAC) the input and the
-  profiled outputs of the matmuls and attention (``selective_bytes``), the row-parallel outputs whole under TP.
+  is kept, whole; with ``ac=op`` (per-op selective) also the outputs of the matmuls and attention.
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations (``ac=op``: the part
@@ -31,9 +30,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
   the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
   profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016), or for
-  ``ac=op`` the non-matmul ops' recomputation: the bytes they write (``recompute_bytes``) at the memory bandwidth
-  (the copy rate on a CPU), else a share of the forward (:data:`NON_MATMUL_SHARE`, Ivanov et al. 2021).
-  Every-k-layers checkpointing (``ac=1/k``) is per-layer ``ac``, priced layer by layer.
+  ``ac=op`` the other ops' recomputation (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
 * **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; the
   same bytes as Megatron-SP's all-gathers and reduce-scatters, Korthikanti et al. 2022 §4.2.2); embeddings and
   head one each way; measured on this machine's executor where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
@@ -67,6 +64,7 @@ from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
+from nbtrain.planner.selective_cost import kept_per_rank, recompute_seconds
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -87,11 +85,6 @@ CLIP_PASSES = 3  # clipping by the global norm reads every gradient for the norm
 #   (1.06 GB outside PyTorch's allocator, NVIDIA/nccl#1685). Only with more than one device.
 # The caching allocator's fragmentation, which does grow with the model, is not modelled.
 CUDA_CONTEXT_BYTES = 512 * MiB
-# ac=op on a GPU without a memory bandwidth in the catalog: the share of a transformer layer's forward time spent
-# outside matmuls and attention (norms, element-wise ops). Ivanov et al. 2021 ("Data Movement Is All You Need",
-# MLSys, Table 1/§3, BERT-large on a V100 in PyTorch): normalisations 25.5% and element-wise ops 13.5% of the
-# runtime beside 61% in tensor contractions; nbtrain takes 0.35 (fused kernels on newer GPUs spend less).
-NON_MATMUL_SHARE = 0.35
 NCCL_BUFFER_BYTES = 512 * MiB
 
 
@@ -159,12 +152,8 @@ class CostModel:
 
     # -- profile lookups -------------------------------------------------------------------------------------
     def _evaluate(self, layer: int, quantity: str, batch: float) -> float:
-        """A profiled quantity of ``layer`` at ``batch`` sequences of the plan's length. A layer profiled without
-        what ``ac=op`` keeps and recomputes (built by hand) is taken to keep and recompute all its activations."""
-        scaling = self.profile.layers[layer].scaling
-        if quantity not in scaling and quantity in ("selective_bytes", "recompute_bytes"):
-            quantity = "activation_bytes"
-        return float(scaling[quantity](batch, self.seq_len)) if batch else 0.0
+        """A profiled quantity of ``layer`` at ``batch`` sequences of the plan's length."""
+        return float(self.profile.layers[layer].scaling[quantity](batch, self.seq_len)) if batch else 0.0
 
     def _hidden(self, layer: int, batch: float) -> float:
         """Bytes of the hidden state entering ``layer`` (what TP collectives and re-layouts move); for the first
@@ -201,19 +190,21 @@ class CostModel:
         grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
-        if s.ac == "op":  # the input and the matmuls' and attention's outputs
-            act = self._tp_selective(index, s, b, full_act)
+        if s.ac == "op":  # the input and the matmuls' and attention's outputs (selective_cost.py)
+            act = kept_per_rank(self._eval(index, "selective_bytes", b), self._hidden(index, b), prof.kind, s.tp,
+                                full_act)
         elif s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank
             act = self._hidden(index, b) if index > 0 else 8 * b * self.seq_len
         else:
             act = full_act
-        # while the layer runs backward its recomputed activations are back: all of them (full), or the part
-        # ac=op dropped (what it kept is already counted as resident)
+        # in its backward the recomputed activations are back: all (full), or what ac=op dropped (the rest resident)
         transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
             + (max(0.0, full_act - act) if s.ac == "op" else full_act if s.ac else 0.0)
 
         fwd, bwd = self._compute(index, s, b)
-        compute = fwd + bwd + (self._recompute_op(index, s, b, fwd) if s.ac == "op" else fwd if s.ac else 0.0)
+        compute = fwd + bwd + (recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b),
+                                                 prof.kind, s.tp, c, fwd, self.slowdown) if s.ac == "op" else
+                               fwd if s.ac else 0.0)
 
         passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward (ac=op recomputes the collectives)
         world, links = c.num_devices, self.links
@@ -243,33 +234,6 @@ class CostModel:
         kept = (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b)
         whole = min(full, kept)
         return whole + (full - whole) / s.tp
-
-    def _tp_selective(self, index: int, s: Strategy, b: float, full_act: float) -> float:
-        """Bytes one TP rank keeps under ``ac=op``: the profiled input and matmul/attention outputs, split as the
-        executor splits them: the input and a block's two row-parallel outputs (attention projection, MLP down;
-        partial sums of the whole hidden state before their all-reduce) are whole on every rank, the heads' and the
-        MLP's inner outputs divided by ``tp``. Never more than the layer saves without checkpointing."""
-        sel = self._eval(index, "selective_bytes", b)
-        if s.tp > 1:
-            whole = min(sel, (3 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b))
-            sel = whole + (sel - whole) / s.tp
-        return min(sel, full_act)
-
-    def _recompute_op(self, index: int, s: Strategy, b: float, fwd: float) -> float:
-        """Seconds ``ac=op`` spends in backward recomputing what it did not keep: the ops other than matmuls and
-        attention, memory-bound, priced by the bytes they write (profiled, ``recompute_bytes``; split over TP like
-        the activations) at the memory bandwidth. On a CPU that is the copy rate the cluster holds (measured by
-        :func:`nbtrain.profiler.calibrate.copy_bandwidth` when calibrated). On a GPU the catalog has no memory
-        bandwidth yet (``Cluster.memory_bandwidth`` is used where it exists), so a fraction of the forward:
-        :data:`NON_MATMUL_SHARE`. Never more than the whole forward (full recomputation)."""
-        written = self._eval(index, "recompute_bytes", b)
-        if s.tp > 1:
-            whole = min(written, (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b))
-            written = whole + (written - whole) / s.tp
-        bandwidth = getattr(self.cluster, "memory_bandwidth", None) or (
-            self.cluster.host_to_device_bandwidth if self.cluster.device == "cpu" else None)
-        seconds = written / bandwidth * self.slowdown if bandwidth else NON_MATMUL_SHARE * fwd
-        return min(seconds, fwd)
 
     def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
         """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time
