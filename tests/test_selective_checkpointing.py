@@ -80,7 +80,7 @@ def test_ac_op_prices_the_kept_bytes_and_the_recomputed_non_matmul_ops():
     fwd = 10**6 * 100 / 1e12
     assert op.time.compute - none.time.compute == pytest.approx(500 * 100 / 1e9)  # bytes written / bandwidth
     assert full.time.compute - none.time.compute == pytest.approx(fwd)
-    gpu = CostModel(prof, cluster(num_devices=1, devices_per_node=1), global_batch=1)  # no memory bandwidth in the catalog
+    gpu = CostModel(prof, cluster(num_devices=1, devices_per_node=1), global_batch=1)  # no memory bandwidth known
     extra = gpu.layer(1, Strategy(ac="op"), 1).time.compute - gpu.layer(1, Strategy(), 1).time.compute
     assert extra == pytest.approx(NON_MATMUL_SHARE * fwd)
 

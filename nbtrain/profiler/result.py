@@ -184,9 +184,9 @@ class ModelProfile:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelProfile":
         layers = tuple(
-            LayerProfile(**{**_counted_selective(layer), "tied": tuple(layer["tied"]),
-                            "scaling": {q: Scaling(tuple(c)) for q, c in _counted_selective(layer)["scaling"].items()}})
-            for layer in d["layers"]
+            LayerProfile(**{**layer, "tied": tuple(layer["tied"]),
+                            "scaling": {q: Scaling(tuple(c)) for q, c in layer["scaling"].items()}})
+            for layer in map(_counted_selective, d["layers"])
         )
         fields = {k: v for k, v in d.items() if k not in ("layers", "flops_per_step", "activation_bytes")}
         return cls(**{**fields, "layers": layers, "notes": tuple(d.get("notes", ()))})

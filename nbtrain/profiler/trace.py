@@ -1,8 +1,9 @@
 """Run one training step of a model and read per-layer numbers off it: counted on fake tensors, or timed for real.
 
 :func:`count` runs the step under ``FakeTensorMode`` (shapes and dtypes only, nothing allocated) with a FLOP counter,
-a saved-tensor hook and a count of what per-op selective checkpointing keeps and recomputes; :func:`time_step` runs it for real on a device with only a clock. Both cut the step into
-segments with a :class:`~nbtrain.profiler.segments.SegmentTracker`.
+a saved-tensor hook and a count of what per-op selective checkpointing keeps and recomputes
+(:mod:`~nbtrain.profiler.selective`); :func:`time_step` runs it for real on a device with only a clock. Both cut the
+step into segments with a :class:`~nbtrain.profiler.segments.SegmentTracker`.
 """
 
 from __future__ import annotations
