@@ -189,3 +189,29 @@ def test_a_model_that_is_one_layer_is_checkpointed_per_op_in_place_with_its_grad
     reference(x).square().sum().backward()
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=0)
+
+
+def test_hot_switching_turns_a_layouts_wrappers_to_per_op_checkpointing_and_off():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from nbtrain.run.parallel.mesh import PlanMeshes
+    from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
+    from tests.distributed_fixtures import single_process_group
+
+    torch.manual_seed(0)
+    reference = gpt()
+    model = copy.deepcopy(reference)
+    ids = torch.randint(0, 128, (2, 16))
+    with single_process_group():
+        plan = Plan.parse("ac", num_devices=1, num_layers=4)
+        model = parallelize(model, plan, PlanMeshes(plan))
+        wrappers = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+        assert len(wrappers) == 4
+        set_checkpointing(model, "op")
+        assert all("context_fn" in w.checkpoint_fn.keywords for w in wrappers)
+        model(ids).float().square().mean().backward()
+        set_checkpointing(model, False)
+        assert not any(isinstance(w.checkpoint_fn, functools.partial) for w in wrappers)
+    reference(ids).float().square().mean().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)
