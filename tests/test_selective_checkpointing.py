@@ -56,6 +56,7 @@ def test_strategy_ac_takes_true_false_and_op_and_old_saved_plans_still_load():
     ("ac=1/0", "'ac=1/0': every k-th layer needs k ≥ 1"),
     ("ac=2/3", "'ac=2/3': checkpointing is written"),
     ("ac=op ac", "'ac' repeats 'ac' (already 'ac=op')"),
+    ("dp_shard=2 sac", "unknown key 'sac' in 'sac'; did you mean ac=op (per-op selective checkpointing)"),
 ])
 def test_bad_checkpointing_says_which_forms_there_are(text, needle):
     with pytest.raises(InvalidPlanError) as err:

@@ -49,7 +49,8 @@ _EXAMPLE = {"pp": "pp=2", "mb": "mb=8", "schedule": "schedule=1f1b' or 'schedule
             "ac": "ac' or 'ac=op' or 'ac=1/2", "offload": "offload=0.25"}
 _HINTS = {"dp": "dp_replicate (DDP) or dp_shard (FSDP)", "ddp": "dp_replicate", "fsdp": "dp_shard",
           "hsdp": "dp_replicate and dp_shard together", "microbatches": "mb", "micro_batches": "mb",
-          "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp"}
+          "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp",
+          "sac": "ac=op (per-op selective checkpointing) or ac=1/2 (every 2nd layer)"}
 _FORM = "'pp=2 mb=8 | dp_shard=4 tp=2 ac' or '0-11: tp=2 ac; 12-23: dp_shard=2'"
 
 
