@@ -21,9 +21,13 @@ def per_token(coefficient: float) -> Scaling:
 def layer(name: str, kind: str, *, params: int, act: float, out: float, fwd: float, bwd: float | None = None,
           dtype_bytes: int = 2, scaling: dict[str, Scaling] | None = None) -> LayerProfile:
     """A layer whose per-token activation bytes, output bytes and FLOPs are ``act``, ``out``, ``fwd``, ``bwd``
-    (backward defaults to twice the forward); ``scaling`` replaces any of the four polynomials."""
+    (backward defaults to twice the forward); ``scaling`` replaces any of the polynomials (``selective_bytes`` and
+    ``recompute_bytes``, what ``ac=op`` keeps and recomputes, default to ``act``)."""
+    # ac=op: unless given, it keeps everything and recomputes as many bytes (never better than no checkpointing,
+    # as for a profile saved before nbtrain counted it)
     polys = {"flops_fwd": per_token(fwd), "flops_bwd": per_token(2 * fwd if bwd is None else bwd),
-             "activation_bytes": per_token(act), "output_bytes": per_token(out), **(scaling or {})}
+             "activation_bytes": per_token(act), "output_bytes": per_token(out), "selective_bytes": per_token(act),
+             "recompute_bytes": per_token(act), **(scaling or {})}
     assert set(polys) == set(QUANTITIES)
     return LayerProfile(name=name, kind=kind, params=params, param_bytes=params * dtype_bytes,
                         **{q: polys[q](1, 1) for q in QUANTITIES}, scaling=polys)

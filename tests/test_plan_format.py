@@ -242,7 +242,10 @@ def test_str_prints_the_pipeline_part_only_when_there_is_one_and_ranges_only_whe
     ("offload=abc", "'offload=abc'"),
     ("zero=4 dp_shard=2", "'zero=4'"),
     ("zero=2", "needs dp_shard > 1"),
-    ("ac=1", "'ac=1': ac is a flag"),
+    ("ac=1", "'ac=1': checkpointing is written 'ac' (full recomputation), 'ac=op'"),
+    ("ac=foo", "'ac=foo': checkpointing is written"),
+    ("ac=1/0", "'ac=1/0': every k-th layer needs k ≥ 1"),
+    ("ac=op ac=1/2", "'ac=1/2' repeats 'ac' (already 'ac=op')"),
     ("tp=2 tp=4", "'tp=4' repeats 'tp' (already 'tp=2')"),
     ("ac ac", "'ac' repeats"),
     ("pp=", "'pp=' has no value; write it as 'pp=2'"),
@@ -415,11 +418,11 @@ def test_strategy_space_for_4_devices_2_per_node_is_the_hand_enumeration():
 
 def test_strategy_space_for_8_devices_in_one_node():
     # dp = 2^k has k+1 (replicate, shard) splits, k of them sharded with two zero levels: 1 + 2k each.
-    # tp 1, 2, 4, 8 → dp 8, 4, 2, 1 → 7 + 5 + 3 + 1 = 16, times ac on/off = 32.
+    # tp 1, 2, 4, 8 → dp 8, 4, 2, 1 → 7 + 5 + 3 + 1 = 16, times ac none/op/full = 48.
     space = strategy_space(8, devices_per_node=8)
-    assert len(space) == len(set(space)) == 32
+    assert len(space) == len(set(space)) == 48
     assert all(s.devices == 8 and s.offload == 0.0 for s in space)
-    assert {s.tp for s in space} == {1, 2, 4, 8} and {s.ac for s in space} == {False, True}
+    assert {s.tp for s in space} == {1, 2, 4, 8} and {s.ac for s in space} == {False, "op", True}
     assert all(s.zero == 3 for s in space if s.dp_shard == 1)
 
 
@@ -433,7 +436,7 @@ def test_strategy_space_respects_the_caps_and_levels():
     assert [str(s) for s in space] == ["dp_replicate=2", "dp_replicate=2 offload=0.5", "dp_replicate=2 offload=1",
                                        "dp_shard=2", "dp_shard=2 offload=0.5", "dp_shard=2 offload=1",
                                        "tp=2"]  # offload only without TP: the executor offloads data parallel
-    assert strategy_space(1, devices_per_node=8) == [S(), S(ac=True)]
+    assert strategy_space(1, devices_per_node=8) == [S(), S(ac="op"), S(ac=True)]
 
 
 @pytest.mark.parametrize("kwargs, needle", [

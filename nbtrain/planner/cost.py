@@ -16,10 +16,11 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch; tensor parallelism without
   sequence parallelism (what the executor runs) divides them by ``tp`` except the hidden-sized tensors every rank
   holds whole (a block's norms' inputs and outputs: four hidden states); with checkpointing only the layer's input
-  is kept, whole.
+  is kept, whole; with ``ac=op`` (per-op selective) also the outputs of the matmuls and attention.
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
-  gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
+  gradients (before the reduce-scatter), and with checkpointing its recomputed activations (``ac=op``: the part
+  it did not keep). A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
 * **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
   training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
@@ -28,7 +29,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   first, and a budget below the reserve fits nothing. None on the CPU, where a worker is an ordinary process.
 * **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
   the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
-  profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016).
+  profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016), or for
+  ``ac=op`` the other ops' recomputation (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
 * **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; the
   same bytes as Megatron-SP's all-gathers and reduce-scatters, Korthikanti et al. 2022 §4.2.2); embeddings and
   head one each way; measured on this machine's executor where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
@@ -62,6 +64,7 @@ from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
+from nbtrain.planner.selective_cost import kept_per_rank, recompute_seconds
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -223,17 +226,23 @@ class CostModel:
         grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
-        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank
+        if s.ac == "op":  # the input and the matmuls' and attention's outputs (selective_cost.py)
+            act = kept_per_rank(self._eval(index, "selective_bytes", b), self._hidden(index, b), prof.kind, s.tp,
+                                full_act)
+        elif s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank
             act = self._hidden(index, b) if index > 0 else 8 * b * self.seq_len
         else:
             act = full_act
+        # in its backward the recomputed activations are back: all (full), or what ac=op dropped (the rest resident)
         transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
-            + (full_act if s.ac else 0.0)
+            + (max(0.0, full_act - act) if s.ac == "op" else full_act if s.ac else 0.0)
 
         fwd, bwd = self._compute(index, s, b)
-        compute = fwd + bwd + (fwd if s.ac else 0.0)
+        compute = fwd + bwd + (recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b),
+                                                 prof.kind, s.tp, c, fwd, self.slowdown) if s.ac == "op" else
+                               fwd if s.ac else 0.0)
 
-        passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward
+        passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward (ac=op recomputes the collectives)
         world, links = c.num_devices, self.links
         tp_comm = tp_seconds(links, world, s, prof.kind, hidden=self._hidden(index, b),
                              output=self._eval(index, "output_bytes", b), pairs=self._arch_list("tp_pairs", index, 2),

@@ -13,19 +13,25 @@ Grammar (tokens are separated by whitespace, with no spaces around ``=``; keys i
     pipeline  := [pp=P] [mb=M] [schedule=1f1b|gpipe] [stages=a+b+...]
     layers    := strategy  |  range ":" strategy (";" range ":" strategy)* [";"]
     range     := span ("," span)*          span := i | i-j      (0-based, inclusive)
-    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [ac] [offload=f]
+    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [ac | ac=op | ac=1/k] [offload=f]
 
 - Omitted keys mean 1 / off / ``schedule=1f1b`` / the even stage split, except ``dp_replicate``, which takes the
   devices left over: num_devices // (pp × dp_shard × tp). So ``dp_shard=4`` on 16 devices is HSDP with
   dp_replicate=4, and ``pp=2 mb=4`` alone on 8 devices gives dp_replicate=4 on every layer.
 - ``stages`` without ``pp`` sets pp to the number of stages. ``offload`` is a fraction (``0.25``) or a percentage
   (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding).
+- Checkpointing: ``ac`` recomputes the whole layer in backward (keeping its input); ``ac=op`` is per-op selective
+  checkpointing (torchtitan's "op" SAC): the outputs of the matmuls and attention are kept, the rest recomputed;
+  ``ac=1/k`` is full checkpointing on every k-th layer of its range (the k-th, 2k-th, ..., as torchtitan's
+  "selective layer" option counts them), expanded to per-layer strategies: ``0-3: ac=1/2`` prints back as
+  ``0: dp_replicate=1; 1: ac; 2: dp_replicate=1; 3: ac``.
 - Without layer ranges the ``|`` may be left out: ``pp=2 mb=4 tp=2`` is ``pp=2 mb=4 | tp=2``.
 - The ranges must cover every layer exactly once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from typing import TYPE_CHECKING
@@ -40,10 +46,11 @@ PIPELINE_KEYS = ("pp", "mb", "schedule", "stages")
 LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "ac", "offload")
 _EXAMPLE = {"pp": "pp=2", "mb": "mb=8", "schedule": "schedule=1f1b' or 'schedule=gpipe", "stages": "stages=12+12",
             "dp_replicate": "dp_replicate=2", "dp_shard": "dp_shard=4", "zero": "zero=2' or 'zero=3", "tp": "tp=2",
-            "ac": "ac", "offload": "offload=0.25"}
+            "ac": "ac' or 'ac=op' or 'ac=1/2", "offload": "offload=0.25"}
 _HINTS = {"dp": "dp_replicate (DDP) or dp_shard (FSDP)", "ddp": "dp_replicate", "fsdp": "dp_shard",
           "hsdp": "dp_replicate and dp_shard together", "microbatches": "mb", "micro_batches": "mb",
-          "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp"}
+          "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp",
+          "sac": "ac=op (per-op selective checkpointing) or ac=1/2 (every 2nd layer)"}
 _FORM = "'pp=2 mb=8 | dp_shard=4 tp=2 ac' or '0-11: tp=2 ac; 12-23: dp_shard=2'"
 
 
@@ -109,7 +116,11 @@ def parse_plan(text: str, *, num_devices: int, num_layers: int) -> dict:
             raise InvalidPlanError(f"{layer_text.strip()!r} has {len(segments)} strategies but no layer ranges; "
                                    "give each a range: '0-11: tp=2 ac; 12-23: dp_shard=2'")
         body = segments[0] if segments else ""
-        fields["layers"] = (_strategy(body, repr(body), pp, num_devices),) * num_layers
+        strategy, every = _strategy(body, repr(body), pp, num_devices)
+        layers = [strategy] * num_layers
+        if every > 1:
+            _every_kth(strategy, every, list(range(num_layers)), layers)
+        fields["layers"] = tuple(layers)
         return fields
 
     layers: list[Strategy | None] = [None] * num_layers
@@ -120,10 +131,13 @@ def parse_plan(text: str, *, num_devices: int, num_layers: int) -> dict:
             raise InvalidPlanError(f"{seg!r} {problem}; with ranges, every part is 'range: strategy', e.g. "
                                    "'0-11: tp=2 ac; 12-23: dp_shard=2'")
         where, body = seg.split(":", 1)
-        strategy = _strategy(body.strip(), repr(seg), pp, num_devices)
-        for i in _indices(where.strip(), num_layers):
+        strategy, every = _strategy(body.strip(), repr(seg), pp, num_devices)
+        indices = _indices(where.strip(), num_layers)
+        for i in indices:
             layers[i] = strategy
             given[i] += 1
+        if every > 1:
+            _every_kth(strategy, every, indices, layers)
     missing = [i for i, n in enumerate(given) if n == 0]
     twice = [i for i, n in enumerate(given) if n > 1]
     if missing or twice:
@@ -165,10 +179,7 @@ def _read(tokens: list[str], allowed: tuple[str, ...], misplaced: str) -> dict:
             raise InvalidPlanError(f"{token!r} repeats {key!r} (already {seen[key]!r}); give each key once")
         seen[key] = token
         if key == "ac":
-            if has_value:
-                raise InvalidPlanError(f"{token!r}: ac is a flag; write 'ac' for activation checkpointing, or "
-                                       "leave it out for none")
-            out[key] = True
+            out[key] = _ac(value, token) if has_value else True
             continue
         if not value:
             raise InvalidPlanError(f"{token!r} has no value; write it as '{_EXAMPLE[key]}' (no spaces around '=')")
@@ -204,9 +215,39 @@ def _value(key: str, value: str, token: str):
     return fraction
 
 
-def _strategy(body: str, where: str, pp: int, num_devices: int) -> Strategy:
-    """One strategy's tokens → Strategy, filling dp_replicate with the devices left over when it is omitted."""
+_AC_FORMS = "'ac' (full recomputation), 'ac=op' (save matmul and attention outputs, recompute the rest) or " \
+            "'ac=1/2' (full recomputation on every 2nd layer)"
+
+
+def _ac(value: str, token: str) -> bool | str | int:
+    """The value of ``ac=...``: ``"op"``, or for ``1/k`` the int ``k`` (every k-th layer, expanded by the caller)."""
+    if value == "op":
+        return "op"
+    match = re.fullmatch(r"1/([0-9]+)", value)
+    if not match:
+        raise InvalidPlanError(f"{token!r}: checkpointing is written {_AC_FORMS}")
+    every = int(match.group(1))
+    if every < 1:
+        raise InvalidPlanError(f"{token!r}: every k-th layer needs k ≥ 1; write e.g. 'ac=1/2' (every 2nd layer), "
+                               "or 'ac' for every layer")
+    return every
+
+
+def _every_kth(strategy: Strategy, every: int, indices: list[int], layers: list) -> None:
+    """``ac=1/k`` on a range: full checkpointing on its k-th, 2k-th, ... layer (torchtitan's "selective layer"
+    checkpointing counts the blocks it wraps from 1 and checkpoints those divisible by k), none on the others."""
+    on, off = dataclasses.replace(strategy, ac=True), dataclasses.replace(strategy, ac=False)
+    for position, i in enumerate(indices, start=1):
+        layers[i] = on if position % every == 0 else off
+
+
+def _strategy(body: str, where: str, pp: int, num_devices: int) -> tuple[Strategy, int]:
+    """One strategy's tokens → (Strategy, k), filling dp_replicate with the devices left over when it is omitted;
+    ``k`` is 1 unless the strategy says ``ac=1/k``, which the caller expands over the layers of its range."""
     keys = _read(body.split(), LAYER_KEYS, "")
+    every = 1
+    if type(keys.get("ac")) is int:  # ac=1/k: full checkpointing, on every k-th layer (k = 1: on all)
+        every, keys["ac"] = keys["ac"], True
     dp_shard, tp = keys.get("dp_shard", 1), keys.get("tp", 1)
     if "zero" in keys and dp_shard == 1:
         raise InvalidPlanError(f"{where}: zero is the level of sharded data parallelism and needs dp_shard > 1; "
@@ -224,7 +265,7 @@ def _strategy(body: str, where: str, pp: int, num_devices: int) -> Strategy:
             f"{num_devices} devices, so dp_replicate cannot take the rest; choose degrees whose product divides "
             f"{num_devices}")
     keys.setdefault("dp_replicate", num_devices // (pp * dp_shard * tp))
-    return Strategy(**keys)
+    return Strategy(**keys), every
 
 
 def _indices(where: str, num_layers: int) -> list[int]:

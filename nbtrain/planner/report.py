@@ -38,7 +38,7 @@ def _most_common(plan: Plan, attribute: str):
 def plan_summary(plan: Plan, label: str = "recommended") -> str:
     """One line: the main degrees, checkpointing and offload, memory against the budget, time per step."""
     n = plan.num_layers
-    ac = sum(s.ac for s in plan.layers)
+    ac = sum(bool(s.ac) for s in plan.layers)  # full or per-op ("op") checkpointing
     offload = sum(s.offload for s in plan.layers) / n
     parts = [f"pp={plan.pp}", f"dp_replicate={_most_common(plan, 'dp_replicate')}",
              f"dp_shard={_most_common(plan, 'dp_shard')}", f"tp={_most_common(plan, 'tp')}",

@@ -32,7 +32,7 @@ from nbtrain.planner.plan import Plan
 from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole
 from nbtrain.planner.search_space import SearchOptions, Task, tasks
 from nbtrain.profiler.hardware import Cluster
-from nbtrain.profiler.result import ModelProfile
+from nbtrain.profiler.result import QUANTITIES, ModelProfile
 
 
 class _Solver:
@@ -260,7 +260,7 @@ def layer_kinds(profile: ModelProfile) -> list[int]:
     def signature(i: int):
         layer = profile.layers[i]
         input_size = profile.layers[i - 1].scaling["output_bytes"].coeffs if i else None
-        costs = tuple(layer.scaling[q].coeffs for q in ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes"))
+        costs = tuple(layer.scaling[q].coeffs for q in QUANTITIES if q in layer.scaling)
         return layer.kind, layer.params, costs, input_size
     ids: dict = {}
     return [ids.setdefault(signature(i), len(ids)) for i in range(len(profile.layers))]

@@ -19,6 +19,10 @@ from nbtrain.checks import is_power_of_two, positive_int, power_of_two_divisors
 from nbtrain.errors import InvalidPlanError
 
 SCHEDULES = ("1f1b", "gpipe")
+AC_MODES = {"op": "op", "full": True, "none": False}
+"""Names ``Strategy.ac`` takes besides True and False, and what each is stored as."""
+AC_CHOICES = (False, "op", True)
+"""Checkpointing the search offers, from none to full: none, per-op selective, full."""
 
 
 def plan_int(value, what: str, hint: str) -> int:
@@ -46,6 +50,8 @@ class Strategy:
         Strategy(dp_replicate=1, dp_shard=4, zero=2, tp=2, ac=True, offload=0.25)
         >>> str(Strategy(dp_replicate=2, dp_shard=4, offload=0.25)), Strategy(dp_shard=1, zero=2).zero
         ('dp_replicate=2 dp_shard=4 offload=0.25', 3)
+        >>> str(Strategy(dp_shard=2, ac="op")), Strategy(ac="full").ac
+        ('dp_shard=2 ac=op', True)
     """
 
     dp_replicate: int = 1
@@ -59,8 +65,10 @@ class Strategy:
     tp: int = 1
     """Tensor-parallel degree, Megatron-style (column- then row-parallel pairs, no sequence parallelism); it stays
     inside a node."""
-    ac: bool = False
-    """Activation checkpointing: keep only the layer input and recompute the rest in backward."""
+    ac: bool | str = False
+    """Activation checkpointing: ``False`` (none), ``True`` (full: keep only the layer input, recompute the whole
+    forward in backward) or ``"op"`` (per-op selective, torchtitan's "op" SAC: keep the input and the outputs of the
+    matmuls and attention, recompute the rest). ``if s.ac:`` means some checkpointing."""
     offload: float = 0.0
     """Fraction (0..1) of this layer's optimizer update done on the CPU, kept to 0.001 (see ``__post_init__``)."""
 
@@ -71,8 +79,10 @@ class Strategy:
         if isinstance(self.zero, bool) or self.zero not in (2, 3):
             raise InvalidPlanError(f"zero={self.zero!r} is not valid: use zero=2 (shard gradients and optimizer "
                                    "state) or zero=3 (also shard parameters)")
-        if self.ac not in (True, False):
-            raise InvalidPlanError(f"ac={self.ac!r} is not valid: activation checkpointing is True or False")
+        if not (self.ac in (True, False) or isinstance(self.ac, str) and self.ac in AC_MODES):
+            raise InvalidPlanError(f"ac={self.ac!r} is not valid: activation checkpointing is False (none), True "
+                                   "(full recomputation) or 'op' (save matmul and attention outputs, recompute the "
+                                   "rest)")
         try:
             offload = float(self.offload)
         except (TypeError, ValueError):
@@ -84,7 +94,8 @@ class Strategy:
         # the update is divided at parameter-tensor granularity.
         object.__setattr__(self, "offload", round(offload, 3) + 0.0)  # + 0.0 turns -0.0 into 0.0
         object.__setattr__(self, "zero", int(self.zero) if self.dp_shard > 1 else 3)  # no sharding: no level
-        object.__setattr__(self, "ac", bool(self.ac))
+        object.__setattr__(self, "ac", AC_MODES.get(self.ac, bool(self.ac)) if isinstance(self.ac, str) else
+                           bool(self.ac))
 
     @property
     def devices(self) -> int:
@@ -106,7 +117,7 @@ class Strategy:
         parts += [f"dp_shard={self.dp_shard}"] if self.dp_shard > 1 else []
         parts += ["zero=2"] if self.zero == 2 else []
         parts += [f"tp={self.tp}"] if self.tp > 1 else []
-        parts += ["ac"] if self.ac else []
+        parts += ["ac=op"] if self.ac == "op" else ["ac"] if self.ac else []
         parts += [f"offload={format_fraction(self.offload)}"] if self.offload else []
         return " ".join(parts) or "dp_replicate=1"
 
@@ -150,7 +161,9 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
     """Every strategy one layer may take on ``devices`` devices (one pipeline stage), pruned as Galvatron does:
     power-of-two degrees, dp_replicate × dp_shard × tp == devices, tp inside a node (≤ devices_per_node) and
     ≤ max_tp, dp ≤ max_dp (the micro-batch size: each data-parallel rank needs at least one sequence), a ZeRO
-    level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers). Ordered by tp, dp_shard, zero, ac, offload, each ascending. Empty when the
+    level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers);
+    checkpointing none, per-op selective (``ac=op``) or full. Ordered by tp, dp_shard, zero, ac (none, op, full),
+    offload, each ascending. Empty when the
     caps leave nothing (e.g. 16 devices, 8 per node, max_dp=1).
 
         >>> [str(s) for s in strategy_space(2, devices_per_node=8, allow_ac=False)]
@@ -176,7 +189,7 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
             continue
         for dp_shard in (p for p in powers if p <= dp):
             for zero in zero_levels if dp_shard > 1 else (3,):
-                for ac in (False, True) if allow_ac else (False,):
+                for ac in AC_CHOICES if allow_ac else (False,):
                     for offload in sorted(set(offload_levels)) if tp == 1 else (0.0,):
                         s = Strategy(dp // dp_shard, dp_shard, zero, tp, ac, offload)
                         if not out or out[-1] != s:  # two levels may be equal once rounded to 0.001

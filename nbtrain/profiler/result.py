@@ -16,7 +16,7 @@ from fractions import Fraction
 
 from nbtrain.profiler.report import profile_summary, profile_table
 
-QUANTITIES = ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes")
+QUANTITIES = ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes", "selective_bytes", "recompute_bytes")
 
 # Transformer costs are sums of these terms: per-token work (b·s), attention scores (b·s²), per-sequence work
 # (b), and batch-independent work on positions (s, s²: RoPE tables, causal masks) or constants.
@@ -79,8 +79,14 @@ class LayerProfile:
     """Bytes the forward saves for backward (each storage once, parameters excluded)."""
     output_bytes: int
     """Bytes of the hidden state leaving the layer: what crosses a pipeline or checkpoint boundary."""
+    selective_bytes: int = -1
+    """Bytes the layer keeps under per-op selective checkpointing (``ac=op``): its input and the outputs of its
+    matmuls and attention (:mod:`nbtrain.profiler.selective`). -1 only while a profile saved before it was counted
+    is read (:meth:`ModelProfile.from_dict` fills it)."""
+    recompute_bytes: int = -1
+    """Bytes the other ops of its forward write: what ``ac=op`` recomputes in backward (memory-bound work)."""
     scaling: dict[str, Scaling] = field(default_factory=dict, compare=False)
-    """The four quantities above as functions of batch and length."""
+    """The quantities above (:data:`QUANTITIES`) as functions of batch and length."""
     tied: tuple[str, ...] = ()
     """Parameters this layer uses that an earlier layer owns (e.g. a head tied to the token embedding)."""
     time_fwd_s: float | None = None
@@ -90,7 +96,7 @@ class LayerProfile:
 
     def at(self, batch_size: int, seq_len: int) -> "LayerProfile":
         """This layer at another shape (measured times are dropped: they hold only for the measured shape)."""
-        values = {q: self.scaling[q](batch_size, seq_len) for q in QUANTITIES}
+        values = {q: self.scaling[q](batch_size, seq_len) for q in QUANTITIES if q in self.scaling}
         return replace(self, **values, time_fwd_s=None, time_bwd_s=None)
 
     def same_shape(self, other: "LayerProfile") -> bool:
@@ -180,7 +186,7 @@ class ModelProfile:
         layers = tuple(
             LayerProfile(**{**layer, "tied": tuple(layer["tied"]),
                             "scaling": {q: Scaling(tuple(c)) for q, c in layer["scaling"].items()}})
-            for layer in d["layers"]
+            for layer in map(_counted_selective, d["layers"])
         )
         fields = {k: v for k, v in d.items() if k not in ("layers", "flops_per_step", "activation_bytes")}
         return cls(**{**fields, "layers": layers, "notes": tuple(d.get("notes", ()))})
@@ -200,3 +206,16 @@ class ModelProfile:
 
     def _repr_html_(self) -> str:
         return self.table()._repr_html_()
+
+
+def _counted_selective(layer: dict) -> dict:
+    """A saved layer with the per-op checkpointing quantities, which profiles saved before they were counted lack:
+    such a layer is taken to keep all its activations under ``ac=op`` and to recompute as many bytes, so that
+    ``ac=op`` never looks better than no checkpointing on a profile that cannot say (profile again to plan it)."""
+    if "selective_bytes" in layer and "selective_bytes" in layer["scaling"]:
+        return layer
+    scaling = dict(layer["scaling"])
+    scaling.setdefault("selective_bytes", scaling["activation_bytes"])
+    scaling.setdefault("recompute_bytes", scaling["activation_bytes"])
+    return {**layer, "selective_bytes": layer.get("selective_bytes", layer["activation_bytes"]),
+            "recompute_bytes": layer.get("recompute_bytes", layer["activation_bytes"]), "scaling": scaling}

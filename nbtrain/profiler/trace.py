@@ -1,8 +1,9 @@
 """Run one training step of a model and read per-layer numbers off it: counted on fake tensors, or timed for real.
 
-:func:`count` runs the step under ``FakeTensorMode`` (shapes and dtypes only, nothing allocated) with a FLOP counter
-and a saved-tensor hook; :func:`time_step` runs it for real on a device with only a clock. Both cut the step into
-segments with a :class:`~nbtrain.profiler.segments.SegmentTracker`.
+:func:`count` runs the step under ``FakeTensorMode`` (shapes and dtypes only, nothing allocated) with a FLOP counter,
+a saved-tensor hook and a count of what per-op selective checkpointing keeps and recomputes
+(:mod:`~nbtrain.profiler.selective`); :func:`time_step` runs it for real on a device with only a clock. Both cut the
+step into segments with a :class:`~nbtrain.profiler.segments.SegmentTracker`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor
+from nbtrain.profiler.selective import SelectiveCounter
 
 
 @dataclass
@@ -86,8 +88,11 @@ def _run(step: Step, observers, b: int, s: int, device, params: dict | None):
     args, targets = step.inputs(b, s, device)
     args = _in_dtype(args, step.dtype)
     tracker = SegmentTracker(step.blocks, observers)
+    tracker.args = args  # the step's inputs: what the first layer keeps under checkpointing
     with tracker:
         out = call_model(step.model, args, step.family.forward_kwargs, params)
+        for observer in observers:  # the loss is computed outside every layer
+            getattr(observer, "model_returned", lambda: None)()
         loss = step.loss_fn(out, targets)
         tracker.start_backward()
         loss.backward()
@@ -112,19 +117,29 @@ def count(step: Step, b: int, s: int) -> Counts:
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
-        flops, saved = FlopObserver(), SavedBytes(params.values())
+        flops, saved, selective = FlopObserver(), SavedBytes(params.values()), SelectiveCounter()
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(note_module))
         stack.enter_context(flops.counter)
         stack.enter_context(saved.hooks())
-        tracker, out = _run(step, [flops, saved, SegmentOfModule()], b, s, "cpu", {**params, **buffers})
+        stack.enter_context(selective)
+        tracker, out = _run(step, [flops, saved, selective, SegmentOfModule()], b, s, "cpu", {**params, **buffers})
     n = step.num_segments
+    outputs = _output_bytes(tracker, out, n)
+    # under ac=op a layer keeps its input (the step's inputs for the first; the one before's output for the rest)
+    inputs = {i: outputs[i - 1] if i else sum(t.nbytes for t in _tensors(tracker.args)) for i in range(n)}
     values = {
         "flops_fwd": {i: int(flops.fwd[i]) for i in range(n)},
         "flops_bwd": {i: int(flops.bwd[i]) for i in range(n)},
         "activation_bytes": {i: saved.per_segment[i] for i in range(n)},
-        "output_bytes": _output_bytes(tracker, out, n),
+        "output_bytes": outputs,
+        "selective_bytes": {i: inputs[i] + selective.kept[i] for i in range(n)},
+        "recompute_bytes": {i: selective.recomputed[i] for i in range(n)},
     }
     return Counts(values, module_segment)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 def _output_bytes(tracker: SegmentTracker, out, n: int) -> dict[int, int]:

@@ -27,7 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
@@ -36,6 +36,7 @@ from nbtrain.models.stages import stage_layers
 from nbtrain.models.tensor_parallel import style_for
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
+from nbtrain.profiler.selective import SAVED_OPS
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import place_module
 from nbtrain.run.state.materialize import FromModel, Initialize, materialize
@@ -71,7 +72,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     if is_plain_data_parallel(plan):
         for i, s in enumerate(plan.layers):
             if s.ac:
-                _checkpoint(layers[i])
+                _checkpoint(layers[i], s.ac)
         if values is not None:  # every rank holds the whole model under DDP
             materialize(model, [model], meshes.device, values)
         group = meshes.for_strategy(plan.layers[0])["dp_replicate"].get_group()
@@ -104,7 +105,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             if together and i == last:  # TP gave the head a DTensor of its own: the embedding's, laid out alike
                 retie(ties, to="first")
         if s.ac:
-            _checkpoint(slots)
+            _checkpoint(slots, s.ac)
         if s.dp > 1 and not (together and i in (0, last)):
             fully_shard([slot_module(p, a) for p, a in slots], mesh=mesh["dp_replicate", "dp_shard"],
                         reshard_after_forward=s.zero == 3, mp_policy=policy)
@@ -154,15 +155,38 @@ def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: Pla
     place_module(traced.module, meshes.device, skip={p for p in traced.module.parameters() if id(p) not in used})
 
 
-def _checkpoint(slots) -> None:
-    """Recompute these modules' activations in backward (``checkpoint_wrapper``); a model that is one layer has no
-    parent to hold a wrapper, so its forward is checkpointed in place."""
+def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The ``ac=op`` policy: keep the outputs of the matmuls and attention
+    (:data:`nbtrain.profiler.selective.SAVED_OPS`, what the profiler counts as kept), recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs(mode) -> dict:
+    """What ``torch.utils.checkpoint.checkpoint`` is called with for ``Strategy.ac`` = ``mode`` (True or ``"op"``):
+    non-reentrant, and for ``"op"`` a fresh pair of selective-checkpoint contexts each call (they hold that call's
+    saved outputs).
+
+        >>> y = checkpoint(nn.Linear(4, 4), torch.randn(2, 4), **checkpoint_kwargs("op"))  # keeps the addmm's output
+    """
+    if mode == "op":
+        return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                                                         save_matmuls)}
+    return {"use_reentrant": False}
+
+
+def _checkpoint(slots, mode=True) -> None:
+    """Recompute these modules' activations in backward (``checkpoint_wrapper``): all of them (``mode`` True), or
+    all but the matmuls' and attention's outputs (``"op"``); a model that is one layer has no parent to hold a
+    wrapper, so its forward is checkpointed in place."""
+    kwargs = checkpoint_kwargs(mode)
     for parent, attr in slots:
         module = slot_module(parent, attr)
         if isinstance(parent, WholeModel):
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            module.forward = functools.partial(checkpoint, module.forward, **kwargs)
         else:
-            set_slot_module(parent, attr, checkpoint_wrapper(module))
+            wrapper = checkpoint_wrapper(module)  # torch.utils.checkpoint, non-reentrant
+            wrapper.checkpoint_fn = functools.partial(checkpoint, **kwargs)
+            set_slot_module(parent, attr, wrapper)
 
 
 def retie(ties, to: str) -> None:
@@ -192,14 +216,13 @@ def add_fsdp_root(root: nn.Module, layers: list, plan: Plan, meshes: PlanMeshes,
                 mp_policy=mixed_precision or MixedPrecisionPolicy(), ignored_params=unsharded | set(ignored))
 
 
-def set_checkpointing(model: nn.Module, enabled: bool) -> None:
-    """Turn on or off the activation checkpointing ``parallelize`` wrapped layers in (hot switching runs the buckets
-    of one layout with and without it). Off, each wrapper calls its module directly, saving its activations."""
+def set_checkpointing(model: nn.Module, mode) -> None:
+    """Set the activation checkpointing of the layers ``parallelize`` wrapped (hot switching runs the buckets of one
+    layout with and without it): ``mode`` is ``Strategy.ac``, False (off: each wrapper calls its module directly,
+    saving its activations), True (full) or ``"op"`` (per-op selective)."""
     for module in model.modules():
         if isinstance(module, CheckpointWrapper):
-            if not hasattr(module, "_nbtrain_checkpoint_fn"):
-                module._nbtrain_checkpoint_fn = module.checkpoint_fn
-            module.checkpoint_fn = module._nbtrain_checkpoint_fn if enabled else _call
+            module.checkpoint_fn = functools.partial(checkpoint, **checkpoint_kwargs(mode)) if mode else _call
 
 
 def _call(module: nn.Module, *args, **kwargs):

@@ -1,0 +1,47 @@
+"""What per-op selective checkpointing (``ac=op``) costs a layer on one TP rank: the bytes it keeps, and the time
+its backward spends recomputing what it did not keep. :class:`nbtrain.planner.cost.CostModel` calls these with
+the profiled ``selective_bytes`` and ``recompute_bytes`` (:mod:`nbtrain.profiler.selective`).
+
+    >>> kept_per_rank(selective=300, hidden=50, kind="block", tp=2, full=1000)   # 150 whole + 150 / 2
+    225.0
+"""
+
+from __future__ import annotations
+
+from nbtrain.profiler.hardware import Cluster
+
+# ac=op on a GPU without a memory bandwidth in the catalog: the share of a transformer layer's forward time spent
+# outside matmuls and attention (norms, element-wise ops). Ivanov et al. 2021 ("Data Movement Is All You Need",
+# MLSys, Table 1, BERT-large on a V100 in PyTorch): normalisations 25.5% and element-wise ops 13.5% of the
+# runtime beside 61% in tensor contractions; nbtrain takes 0.35 (fused kernels on newer GPUs spend less).
+NON_MATMUL_SHARE = 0.35
+
+
+def kept_per_rank(selective: float, hidden: float, kind: str, tp: int, full: float) -> float:
+    """Bytes one TP rank keeps under ``ac=op`` of the profiled ``selective`` bytes (the layer's input and its
+    matmuls' and attention's outputs), split as the executor splits them: the input (``hidden`` bytes) and a block's
+    two row-parallel outputs (attention projection, MLP down: partial sums of the whole hidden state before their
+    all-reduce) are whole on every rank, the heads' and the MLP's inner outputs divided by ``tp``. Never more than
+    the ``full`` bytes the layer saves on that rank without checkpointing."""
+    if tp > 1:
+        whole = min(selective, (3 if kind == "block" else 1) * hidden)
+        selective = whole + (selective - whole) / tp
+    return min(selective, full)
+
+
+def recompute_seconds(written: float, hidden: float, kind: str, tp: int, cluster: Cluster, fwd: float,
+                      slowdown: float = 1.0) -> float:
+    """Seconds ``ac=op`` spends in backward recomputing the ops other than matmuls and attention: memory-bound,
+    priced by the profiled bytes they ``written`` (split over TP like the activations: a block's norms and residual
+    adds, four hidden states, are whole on every rank) at the memory bandwidth, times ``slowdown`` (the processes
+    sharing the cores). On a CPU the bandwidth is the copy rate the cluster holds (measured by
+    :func:`nbtrain.profiler.calibrate.copy_bandwidth` when calibrated); a cluster with a ``memory_bandwidth`` uses
+    it; a GPU without one (the catalog has none yet) pays :data:`NON_MATMUL_SHARE` of the forward ``fwd``. Never
+    more than ``fwd`` (full recomputation)."""
+    if tp > 1:
+        whole = min(written, (4 if kind == "block" else 1) * hidden)
+        written = whole + (written - whole) / tp
+    bandwidth = getattr(cluster, "memory_bandwidth", None) or (
+        cluster.host_to_device_bandwidth if cluster.device == "cpu" else None)
+    seconds = written / bandwidth * slowdown if bandwidth else NON_MATMUL_SHARE * fwd
+    return min(seconds, fwd)
