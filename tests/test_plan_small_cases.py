@@ -179,7 +179,7 @@ def test_the_reserve_is_labelled_in_the_table_and_json(capsys):
     assert reserved == GiB + 8 * GiB  # the CUDA context and NCCL's buffers, and a tenth of 80 GiB kept free
     assert params + grads + optimizer + activations + reserved == pytest.approx(total, rel=0.01)  # adds up
     assert ("reserved: 9.00 GiB per device before the model: CUDA context and kernels 512.00 MiB + NCCL buffers "
-            "512.00 MiB + allocator headroom (10% of 80.00 GiB) 8.00 GiB (nbtrain.planner.cost.reserve_parts cites "
+            "512.00 MiB + allocator headroom (10% of 80.00 GiB) 8.00 GiB (nbtrain.planner.reserve.reserve_parts cites "
             "the figures)") in lines
 
     assert main(["plan", "gpt-tiny", "--gpus", "8", "--batch", "32", "--json"]) == 0
@@ -216,7 +216,7 @@ def test_a_budget_below_the_reserve_says_the_reserve_does_not_fit(capsys, memory
     assert err.startswith(f"nbtrain: error: no plan fits {shown} per device on 8 × H100: nbtrain reserves {reserve} "
                           "of each device before the model (CUDA context and kernels 512.00 MiB, NCCL buffers "
                           f"512.00 MiB and allocator headroom (10% of {shown}) {free}; sources in "
-                          "nbtrain/planner/cost.py), which alone does not fit"), err
+                          "nbtrain/planner/reserve.py), which alone does not fit"), err
     enough = re.search(r"Give at least ([0-9.]+ [KMG]iB) per device", err).group(1)
     assert parse_bytes(enough.replace(" ", "")) > GiB
     # what it asks for is enough

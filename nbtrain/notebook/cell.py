@@ -318,10 +318,15 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
         # a plan made for these processes runs as planned (its batch, and its length where short enough for a CPU
         # step), so the launch predicts what the plan table did; a bigger cluster's plan runs scaled down, small
         same = plan.num_devices == processes and plan.global_batch
-        local = scale_plan(plan, processes, seq_len=seq, global_batch=plan.global_batch if same else None)
+        local = plan.replace(seq_len=seq) if same else scale_plan(plan, processes, seq_len=seq)
         data = stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
     # this machine's cluster, for the prediction beside the measurement, as the plan table priced it (calibrated
     # once per kernel); its GPUs named through NVML: CUDA initialised here would keep the launch from forking
+    from nbtrain.run.launch.environment import check_limit, visible_gpus
+    from nbtrain.run.launch.workers import runs_in_this_process
+
+    if not runs_in_this_process(processes):  # before measuring this machine's links for that many processes
+        check_limit(processes, visible_gpus())
     here = Cluster.this_machine(processes, progress=lambda *_: None)
     return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,

@@ -63,72 +63,16 @@ from functools import lru_cache
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.plan import Plan
+from nbtrain.planner.reserve import reserve_parts
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
 from nbtrain.planner.selective_cost import kept_per_rank, recompute_seconds
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
-from nbtrain.units import format_bytes
 
 GiB = 2**30
 MiB = 2**20
 CLIP_PASSES = 3  # clipping by the global norm reads every gradient for the norm, then reads and writes it to scale
-
-# The reserve, per GPU (reserve_parts). Sources:
-# - CUDA context: PyTorch loads CUDA kernels lazily since 1.13 (CUDA_MODULE_LOADING=LAZY, pytorch/pytorch#86509,
-#   which measured the context at 287 MB lazy against 667 MB eager); NVIDIA's engineers put it at ~300-400 MB
-#   with CUDA >= 11.7 (pytorch/pytorch#107667, #109888). A training step then loads its kernels (cuBLAS and its
-#   workspace, attention, NCCL's own), so nbtrain takes 512 MiB.
-# - NCCL: each communicator keeps per-channel buffers (NCCL_BUFFSIZE, 4 MiB for the Simple protocol, plus LL and
-#   LL128), linear in the channels (NVIDIA/nccl#986), and NVLink on H100 runs up to 32 channels
-#   (NVIDIA/nccl#1685). A plan uses a communicator per process group it reduces over (data parallel, and TP or the
-#   pipeline's). 512 MiB: with the context, 1 GiB per device, as measured on 8 x H100 before NCCL's all-to-all
-#   (1.06 GB outside PyTorch's allocator, NVIDIA/nccl#1685). Only with more than one device.
-# - Allocator headroom: PyTorch's caching allocator cannot always hand out memory it holds (a free block split
-#   into pieces smaller than the next request). GMLake (Guo et al., ASPLOS 2024) measured this fragmentation on
-#   eight LLMs trained on A100-80GB with recomputation, ZeRO and offload at 15% of the memory on average, up to
-#   33%. nbtrain's GPU workers run with ``expandable_segments`` (PyTorch's remedy, which grows one mapping instead
-#   of caching fixed segments), as torchtitan's do, so nbtrain keeps 10% of each device free: its own allowance
-#   between "none" and GMLake's average, not a measurement; ``CostOptions.headroom`` (``--headroom``) sets it.
-#   None on the CPU, where a worker's memory is the host's and no caching allocator sits between.
-CUDA_CONTEXT_BYTES = 512 * MiB
-NCCL_BUFFER_BYTES = 512 * MiB
-HEADROOM = 0.10
-
-
-def reserve_parts(cluster: Cluster, options: "CostOptions | None" = None, budget: float | None = None
-                  ) -> tuple[tuple[str, int], ...]:
-    """What the reserve per device is made of, as (what, bytes) pairs, and so its sum: the CUDA context
-    (512 MiB), with more than one device NCCL's buffers (512 MiB), and the allocator's headroom (10% of the
-    ``budget``, by default the device's memory) on a GPU; nothing on the CPU; or the figures ``CostOptions.reserve_bytes`` and
-    ``CostOptions.headroom`` give. Sources in the comment above.
-
-        >>> [what for what, _ in reserve_parts(Cluster.from_catalog("H100", num_devices=8))]
-        ['CUDA context and kernels', 'NCCL buffers', 'allocator headroom (10% of 80.00 GiB)']
-    """
-    headroom = headroom_part(cluster, options, budget)
-    if options is not None and options.reserve_bytes is not None:
-        given = (("CostOptions.reserve_bytes", int(options.reserve_bytes)),) if options.reserve_bytes else ()
-        return given + headroom
-    if cluster.device == "cpu":
-        return headroom
-    parts = [("CUDA context and kernels", CUDA_CONTEXT_BYTES)]
-    if cluster.num_devices > 1:
-        parts.append(("NCCL buffers", NCCL_BUFFER_BYTES))
-    return tuple(parts) + headroom
-
-
-def headroom_part(cluster: Cluster, options: "CostOptions | None" = None, budget: float | None = None
-                  ) -> tuple[tuple[str, int], ...]:
-    """The allocator's headroom as a reserve part: ``CostOptions.headroom`` of the memory budget per device (the
-    device's memory unless ``--memory`` says less; default 10% on a GPU, none on the CPU), or nothing when 0."""
-    fraction = options.headroom if options is not None and options.headroom is not None else \
-        (0.0 if cluster.device == "cpu" else HEADROOM)
-    if not fraction:
-        return ()
-    budget = cluster.device_memory if budget is None else budget
-    return ((f"allocator headroom ({fraction:.0%} of {format_bytes(budget)})", int(fraction * budget)),)
-
 
 @dataclass(frozen=True)
 class CostOptions:
@@ -139,7 +83,7 @@ class CostOptions:
     NCCL's buffers (512 MiB) on a GPU, none on the CPU (:func:`reserve_parts`, which cites the figures)."""
     headroom: float | None = None
     """Fraction of each device's memory kept free for the caching allocator's fragmentation, on top of the
-    reserve; ``None``: 10% on a GPU, none on the CPU (:data:`HEADROOM`, which cites its reasons)."""
+    reserve; ``None``: 10% on a GPU, none on the CPU (:data:`nbtrain.planner.reserve.HEADROOM`, which cites its reasons)."""
     overlap_slowdown: float = 1.3
     """Slowdown of a collective overlapped with compute (Galvatron-BMW's measured coefficient)."""
     offload_overlap: bool = True

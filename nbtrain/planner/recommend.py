@@ -100,7 +100,7 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
     the executor cannot run it).
 
     ``memory`` is each device's whole memory: the reserve (the CUDA context and NCCL's buffers, 1 GiB per GPU of
-    a multi-GPU cluster; :func:`nbtrain.planner.cost.reserve_parts`) comes out of it before the model, and the
+    a multi-GPU cluster; :func:`nbtrain.planner.reserve.reserve_parts`) comes out of it before the model, and the
     table and ``to_dict()`` show it beside the model's own bytes. A small global batch on many devices gets
     tensor and pipeline parallelism, which need no sequence per device.
 
@@ -254,7 +254,7 @@ def _no_fit_message(profile, cluster, global_batch, lean: Plan | None,
     parts = "as CostOptions.reserve_bytes says" if given else \
         _and([f"{what} {format_bytes(nbytes)}" for what, nbytes in pred.reserve_parts])
     if reserve and reserve >= budget:
-        source = "" if given else "; sources in nbtrain/planner/cost.py"
+        source = "" if given else "; sources in nbtrain/planner/reserve.py"
         return (f"{where}: nbtrain reserves {format_bytes(reserve)} of each device before the model ({parts}"
                 f"{source}), which alone does not fit; the leanest plan nbtrain knows, "
                 f"'{lean}', needs {_need(need - reserve_there, 0)} beside it, {_need(need, budget)} per device in "

@@ -97,7 +97,7 @@ def reserve_line(pred) -> str:
         return f"reserved: {format_bytes(reserve)} per device before the model, as CostOptions.reserve_bytes says"
     what = " + ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in parts)
     return (f"reserved: {format_bytes(reserve)} per device before the model: {what} "
-            "(nbtrain.planner.cost.reserve_parts cites the figures)")
+            "(nbtrain.planner.reserve.reserve_parts cites the figures)")
 
 
 def comparison_table(recommended: Plan, baselines, label: str = "recommended") -> Table:
