@@ -187,12 +187,17 @@ class CostModel:
         grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
-        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank
-            act = self._hidden(index, b) if index > 0 else 8 * b * self.seq_len
+        loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
+        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank, and what
+            # the loss saves: it runs after the model's forward, outside any checkpoint
+            act = (self._hidden(index, b) if index > 0 else 8 * b * self.seq_len) + loss_saved
         else:
             act = full_act
         transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
-            + (full_act if s.ac else 0.0)
+            + (full_act - loss_saved if s.ac else 0.0)
+        # the loss's backward runs before the head's: its gradient hooks have not gathered the head's parameters
+        # nor made its gradients yet, so the two peaks come one after the other, not together
+        transient = max(transient, loss_backward)
 
         fwd, bwd = self._compute(index, s, b)
         compute = fwd + bwd + (fwd if s.ac else 0.0)
@@ -212,6 +217,23 @@ class CostModel:
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
+
+    def _loss_bytes(self, index: int, s: Strategy, b: float, full_act: float) -> tuple[float, float]:
+        """(bytes the loss saves for backward, bytes its backward holds at once) on one device, for the head: the
+        loss nbtrain trains with (``lm_loss``, Hugging Face's causal-LM loss alike) upcasts the logits to fp32 and
+        takes their cross-entropy, which saves the log-probabilities (one fp32 copy of the logits, already in the
+        head's profiled saved bytes) and in backward holds two fp32 logits-sized gradients at once (of the
+        log-probabilities and of the logits). torch's ``FSDPMemTracker`` on nbtrain's GPT (``bench/memory_oracle.py``:
+        4 blocks, vocabulary 8192, 2 × 512 tokens a device) counts exactly these: 64 MiB of "temp" at the step's
+        peak, during the loss's backward, and 32 MiB of the log-probabilities among the saved activations with the
+        head checkpointed. Whole on every TP rank when the head gathers its output, else split with the vocabulary.
+        Other layers, and models that are one layer, have no loss of their own: (0, 0)."""
+        if self.profile.layers[index].kind != "head":
+            return 0.0, 0.0
+        logits = self._eval(index, "output_bytes", b) * 4 / self.e
+        if s.tp > 1 and index not in (self.profile.arch.get("tp_gathers_output") or ()):
+            logits /= s.tp
+        return min(logits, full_act), 2 * logits
 
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
         """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism as the executor
