@@ -1,6 +1,6 @@
 """The planner's memory per device against torch's own count of an FSDP2 step (issue 28, point 7): the oracle.
 
-    PYTHONPATH=. python bench/memory_oracle.py     # ~30 s on 2 cores; the table on stdout
+    PYTHONPATH=. python bench/memory_oracle.py     # ~40 s on 2 cores; the table on stdout
 
 torch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) counts every tensor a training step
 allocates on a device, by kind, under ``FakeTensorMode`` with the fake process group at the real world size, so a
@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import nbtrain  # noqa: E402
@@ -86,12 +87,22 @@ def predicted(plan: Plan, profile) -> tuple[float, dict]:
     return memory.total - memory.reserve, parts
 
 
-def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int) -> tuple[float, dict]:
+PRECISIONS = {
+    "fp32": "fp32",
+    "bf16 autocast": "bf16 as fit runs it: fp32 weights, the step under torch.autocast (trainer.py)",
+    "bf16 FSDP2": "bf16 as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) runs it (torchtitan's)",
+}
+
+
+def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int, precision: str = "fp32") -> tuple[float, dict]:
     """``FSDPMemTracker``'s peak per device of nbtrain's step of ``build()`` under ``plan``, and its parts by kind
-    (call inside :func:`fake_world` at the plan's device count)."""
+    (call inside :func:`fake_world` at the plan's device count). ``precision``: one of :data:`PRECISIONS`."""
     meshes = PlanMeshes(plan)  # outside the fake mode: making the groups reads real tensors
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16 FSDP2" else None
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16 autocast")
     with FakeTensorMode():
-        model = parallelize(build(), plan, meshes)
+        model = parallelize(build(), plan, meshes, mixed_precision=policy)
         kwargs = detect_family(model).forward_kwargs
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         ids = torch.randint(0, vocab, (plan.global_batch // plan.num_devices, plan.seq_len))
@@ -99,7 +110,8 @@ def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int) -> tuple[flo
         tracker.track_inputs((ids,))
         with tracker:
             for _ in range(2):
-                lm_loss(call_model(model, ids, kwargs), ids).backward()
+                with autocast:  # as the trainer: forward, loss and backward inside it
+                    lm_loss(call_model(model, ids, kwargs), ids).backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 tracker.reset_mod_stats()
@@ -116,24 +128,26 @@ PLANS = ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "dp_shard={w}
 
 
 def main() -> None:
-    t = Table(["model", "plan", "predicted", "torch counts", "predicted / counted", "predicted by part",
-               "counted by kind"], align="llrrrll")
-    t.title = (f"memory per device at the step's peak, fp32, {ROWS_PER_DEVICE} sequences a device: "
-               "nbtrain's planner against torch's FSDPMemTracker")
+    t = Table(["model", "precision", "plan", "predicted", "torch counts", "predicted / counted", "predicted by part",
+               "counted by kind"], align="lllrrrll")
+    t.title = (f"memory per device at the step's peak, {ROWS_PER_DEVICE} sequences a device: nbtrain's planner "
+               "against torch's FSDPMemTracker")
     for name, (build, vocab, seq) in MODELS.items():
-        with torch.device("meta"):
-            model = build()
-        profile = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype="fp32")
-        for world in (8, 64):
-            with fake_world(world):
-                for text in PLANS:
-                    plan = plan_for(text.format(w=world), profile, world, seq)
-                    (mine, parts), (theirs, kinds) = predicted(plan, profile), counted(build, plan, vocab)
-                    t.add(name, text.format(w=world),
-                          format_bytes(mine), format_bytes(theirs), f"{mine / theirs:.2f}",
-                          " ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v),
-                          " ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items()))
+        for precision in PRECISIONS:
+            with torch.device("meta"):
+                model = build()
+            profile = nbtrain.profile(model, batch_size=1, seq_len=seq, dtype=precision.split()[0])
+            for world in (8, 64) if precision == "fp32" else (8,):
+                with fake_world(world):
+                    for text in PLANS:
+                        plan = plan_for(text.format(w=world), profile, world, seq)
+                        (mine, parts), (theirs, kinds) = predicted(plan, profile), counted(build, plan, vocab,
+                                                                                           precision)
+                        t.add(name, precision, text.format(w=world), format_bytes(mine), format_bytes(theirs),
+                              f"{mine / theirs:.2f}", " ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v),
+                              " ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items()))
     t.footer.append("predicted: nbtrain.estimate less the reserved column; torch counts: FSDPMemTracker's peak")
+    t.footer.extend(f"{k}: {v}" for k, v in PRECISIONS.items() if k != "fp32")
     print(t)
 
 

@@ -21,6 +21,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
+* **The loss** (the head's; :meth:`CostModel._loss_bytes`): its backward holds two fp32 logits-sized gradients
+  at once, the step's peak for a large vocabulary, and what it saves stays when the head is checkpointed. Checked
+  against torch's ``FSDPMemTracker`` within 10% (``tests/test_memory_oracle.py``, ``bench/memory_oracle.py``).
 * **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
   training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
   constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
