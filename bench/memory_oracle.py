@@ -6,8 +6,8 @@ torch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) coun
 allocates on a device, by kind, under ``FakeTensorMode`` with the fake process group at the real world size, so a
 step of 8 or 64 ranks is counted in this one process without memory: rank 0 stands for every rank (an FSDP plan
 gives them all the same shapes). The step is nbtrain's own: its ``parallelize`` of the model under each plan, a
-forward, ``lm_loss`` and backward as the trainer runs them, and an AdamW step, twice (the second is counted: the
-optimizer state exists by then). The prediction is ``nbtrain.estimate`` on the same plan for H100s, less the
+forward, ``lm_loss`` and backward of each micro-batch as the trainer runs them (gradients synced at the last), and
+an AdamW step, twice (the second is counted: the optimizer state exists by then). The prediction is ``nbtrain.estimate`` on the same plan for H100s, less the
 "reserved" column (CUDA context and NCCL buffers, which the tracker does not see). ``tests/test_memory_oracle.py``
 holds the planner to it within 10%, through :func:`counted` and :func:`predicted` here.
 
@@ -41,6 +41,7 @@ from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.profiler.trace import call_model  # noqa: E402
 from nbtrain.run.parallel.mesh import PlanMeshes  # noqa: E402
 from nbtrain.run.parallel.parallelize import parallelize  # noqa: E402
+from nbtrain.run.trainer import gradient_sync  # noqa: E402
 from nbtrain.table import Table  # noqa: E402
 from nbtrain.units import format_bytes  # noqa: E402
 
@@ -110,8 +111,9 @@ def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int, precision: s
         tracker.track_inputs((ids,))
         with tracker:
             for _ in range(2):
-                with autocast:  # as the trainer: forward, loss and backward inside it
-                    lm_loss(call_model(model, ids, kwargs), ids).backward()
+                for i, rows in enumerate(ids.chunk(plan.microbatches)):  # as the trainer: gradients synced at the
+                    with gradient_sync(model, i == plan.microbatches - 1), autocast:  # last micro-batch only
+                        lm_loss(call_model(model, rows, kwargs), rows).backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 tracker.reset_mod_stats()
@@ -124,7 +126,8 @@ MODELS = {  # name: (build, vocabulary, sequence length)
     "nbtrain GPT": (gpt, 8192, 512),
     "transformers Llama": (llama, 16384, 256),
 }
-PLANS = ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "dp_shard={w} zero=2 ac"]
+PLANS = ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "dp_shard={w} zero=2 ac",
+         "pp=1 mb=2 | dp_shard={w}"]  # the last accumulates gradients over two micro-batches of one sequence
 
 
 def main() -> None:

@@ -213,6 +213,22 @@ def test_the_heads_loss_backward_holds_two_fp32_logits_and_a_checkpointed_head_k
     assert model.layer(1, S(dp_shard=8), microbatches=1).transient == pytest.approx(2 * 2 * P_BLOCK, rel=EXACT)
 
 
+def test_accumulating_over_micro_batches_fsdp_keeps_whole_gradients_between_them():
+    # The trainer syncs gradients at the last micro-batch only (FSDP2's set_requires_gradient_sync(False) before),
+    # and FSDP2 then holds every layer's unsharded gradient from one micro-batch to the next (FSDPMemTracker:
+    # tests/test_memory_oracle.py, "accumulating"): a block's bf16 gradients are 2 · 8M whole, not 2 · 8M / 8.
+    model = cost_model()
+    one, two = (model.layer(1, S(dp_shard=8), microbatches=m) for m in (1, 2))
+    assert one.memory.grads == pytest.approx(2 * P_BLOCK / 8, rel=EXACT)
+    assert two.memory.grads == pytest.approx(2 * P_BLOCK, rel=EXACT)
+    # the backward's unsharded gradient buffer is that same tensor: only the gathered weights stay transient
+    assert one.transient == pytest.approx(2 * 2 * P_BLOCK, rel=EXACT)
+    assert two.transient == pytest.approx(2 * P_BLOCK, rel=EXACT)
+    # plain data parallelism holds whole gradients either way
+    ddp = [model.layer(1, S(dp_replicate=8), microbatches=m).memory.grads for m in (1, 2)]
+    assert ddp == pytest.approx([2 * P_BLOCK] * 2, rel=EXACT)
+
+
 def test_the_reserve_is_added_to_every_stage_once():
     pred = cost_model(options=CostOptions(reserve_bytes=12_345)).estimate(plan(S(dp_shard=8), global_batch=16))
     # ZeRO-3 on all four layers, b = 2: states 2 bytes/param = 1.6M + 16M + 16M + 3.2M, saved 3,200 + 2·200,000 +

@@ -27,8 +27,8 @@ def llama_profile():
 
 
 @pytest.mark.parametrize("world", [8, 64])
-@pytest.mark.parametrize("plan", ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac"],
-                         ids=["zero3", "zero2", "checkpointed"])
+@pytest.mark.parametrize("plan", ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "pp=1 mb=2 | dp_shard={w}"],
+                         ids=["zero3", "zero2", "checkpointed", "accumulating"])
 def test_planner_memory_per_device_is_within_10_percent_of_fsdp_mem_tracker(llama_profile, plan, world):
     with fake_world(world):
         plan = plan_for(plan.format(w=world), llama_profile, world, SEQ)
