@@ -21,9 +21,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
-* **The loss** (the head's; :meth:`CostModel._loss_bytes`): its backward holds two fp32 logits-sized gradients
-  at once, the step's peak for a large vocabulary, and what it saves stays when the head is checkpointed. Checked
-  against torch's ``FSDPMemTracker`` within 10% (``tests/test_memory_oracle.py``, ``bench/memory_oracle.py``).
+* **The loss, accumulated gradients**: :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``.
 * **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
   training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
   constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
@@ -63,6 +61,7 @@ from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
+from nbtrain.planner.memory_terms import gradient_bytes, loss_bytes
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
 from nbtrain.planner.strategy import Strategy, head_split_problem
@@ -187,25 +186,16 @@ class CostModel:
         p = prof.params / s.tp
         shard = s.dp_shard
         params = p * e / (shard if s.zero == 3 else 1)
-        # Accumulating over micro-batches, the trainer turns FSDP2's gradient sync off for all but the last
-        # (set_requires_gradient_sync(False), as torch's pipeline stages do too), and FSDP2 then keeps each layer's
-        # whole, unsharded gradient from one micro-batch to the next: FSDPMemTracker counts 81.11 MiB of
-        # "unsharded_grad" for nbtrain's GPT at dp_shard=8 mb=2, where the sharded ones are 10.14 MiB.
-        accumulating = shard > 1 and microbatches > 1
-        grads = p * e if accumulating else p * e / shard
+        grads = gradient_bytes(p, e, shard, microbatches, self.options.grad_reduce_bytes)
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
         loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
-        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank, and what
-            # the loss saves: it runs after the model's forward, outside any checkpoint
+        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank; the loss's
             act = (self._hidden(index, b) if index > 0 else 8 * b * self.seq_len) + loss_saved
         else:
             act = full_act
-        transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 and not accumulating else 0.0) \
-            + (full_act - loss_saved if s.ac else 0.0)
-        # the loss's backward runs before the head's: its gradient hooks have not gathered the head's parameters
-        # nor made its gradients yet, so the two peaks come one after the other, not together
-        transient = max(transient, loss_backward)
+        transient = max(loss_backward, (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0)
+                        + (full_act - loss_saved if s.ac else 0.0))  # one after the other (memory_terms.loss_bytes)
 
         fwd, bwd = self._compute(index, s, b)
         compute = fwd + bwd + (fwd if s.ac else 0.0)
@@ -227,21 +217,11 @@ class CostModel:
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
     def _loss_bytes(self, index: int, s: Strategy, b: float, full_act: float) -> tuple[float, float]:
-        """(bytes the loss saves for backward, bytes its backward holds at once) on one device, for the head: the
-        loss nbtrain trains with (``lm_loss``, Hugging Face's causal-LM loss alike) upcasts the logits to fp32 and
-        takes their cross-entropy, which saves the log-probabilities (one fp32 copy of the logits, already in the
-        head's profiled saved bytes) and in backward holds two fp32 logits-sized gradients at once (of the
-        log-probabilities and of the logits). torch's ``FSDPMemTracker`` on nbtrain's GPT (``bench/memory_oracle.py``:
-        4 blocks, vocabulary 8192, 2 × 512 tokens a device) counts exactly these: 64 MiB of "temp" at the step's
-        peak, during the loss's backward, and 32 MiB of the log-probabilities among the saved activations with the
-        head checkpointed. Whole on every TP rank when the head gathers its output, else split with the vocabulary.
-        Other layers, and models that are one layer, have no loss of their own: (0, 0)."""
+        """The head's loss (:func:`~nbtrain.planner.memory_terms.loss_bytes`) on one TP rank; (0, 0) elsewhere."""
         if self.profile.layers[index].kind != "head":
             return 0.0, 0.0
-        logits = self._eval(index, "output_bytes", b) * 4 / self.e
-        if s.tp > 1 and index not in (self.profile.arch.get("tp_gathers_output") or ()):
-            logits /= s.tp
-        return min(logits, full_act), 2 * logits
+        split = s.tp if index not in (self.profile.arch.get("tp_gathers_output") or ()) else 1
+        return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act)
 
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
         """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism as the executor
