@@ -1,15 +1,16 @@
 """The planner's memory per device against torch's own count of an FSDP2 step (issue 28, point 7): the oracle.
 
-    PYTHONPATH=. python bench/memory_oracle.py     # ~40 s on 2 cores; the table on stdout
+    PYTHONPATH=. python bench/memory_oracle.py     # ~1 min on 2 cores; the table on stdout
 
 torch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) counts every tensor a training step
 allocates on a device, by kind, under ``FakeTensorMode`` with the fake process group at the real world size, so a
 step of 8 or 64 ranks is counted in this one process without memory: rank 0 stands for every rank (an FSDP plan
 gives them all the same shapes). The step is nbtrain's own: its ``parallelize`` of the model under each plan, a
 forward, ``lm_loss`` and backward of each micro-batch as the trainer runs them (gradients synced at the last), and
-an AdamW step, twice (the second is counted: the optimizer state exists by then). The prediction is ``nbtrain.estimate`` on the same plan for H100s, less the
-"reserved" column (CUDA context and NCCL buffers, which the tracker does not see). ``tests/test_memory_oracle.py``
-holds the planner to it within 10%, through :func:`counted` and :func:`predicted` here.
+an AdamW step, twice (the second is counted: the optimizer state exists by then). The prediction is
+``nbtrain.estimate`` on the same plan for H100s, less the "reserved" column (CUDA context and NCCL buffers, which
+the tracker does not see). ``tests/test_memory_oracle.py`` holds the planner to it within 10%, through
+:func:`counted` and :func:`predicted` here.
 
 AdamW runs per tensor (``foreach=False``) here, not fused as ``fit`` runs it: under ``FakeTensorMode`` the fused
 kernel's fake implementation allocates as if it were not in place, and the tracker then counts 345 MiB of

@@ -1,9 +1,9 @@
 """The planner's memory per device for FSDP plans against torch's ``FSDPMemTracker`` (issue 28, point 7).
 
 The expected values are not nbtrain's: torch's tracker counts every tensor nbtrain's own FSDP2 step allocates on
-rank 0 (``parallelize``, forward, ``lm_loss``, backward, AdamW) under ``FakeTensorMode`` with the fake process group
-at the plan's world size, and the planner must land within 10% of its peak. The harness is the benchmark's
-(``bench/memory_oracle.py``), which prints the same comparison as a table. ~15 s on 2 cores.
+rank 0 (``parallelize``, each micro-batch's forward, ``lm_loss`` and backward, AdamW) under ``FakeTensorMode`` with
+the fake process group at the plan's world size, and the planner must land within 10% of its peak. The harness is
+the benchmark's (``bench/memory_oracle.py``), which prints the same comparison as a table. ~20 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import nbtrain  # noqa: E402
 from bench.memory_oracle import counted, fake_world, llama, plan_for, predicted  # noqa: E402
 
-VOCAB, SEQ = 16384, 256  # as bench/memory_oracle.py's Llama: the head's logits are half the step's activations
+VOCAB, SEQ = 16384, 256  # as bench/memory_oracle.py's Llama: the loss's log-probabilities are over half the saved bytes
 
 
 def _profile(dtype: str):
