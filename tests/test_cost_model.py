@@ -213,22 +213,6 @@ def test_the_heads_loss_backward_holds_two_fp32_logits_and_a_checkpointed_head_k
     assert model.layer(1, S(dp_shard=8), microbatches=1).transient == pytest.approx(2 * 2 * P_BLOCK, rel=EXACT)
 
 
-def test_accumulating_over_micro_batches_fsdp_keeps_whole_gradients_between_them():
-    # The trainer syncs gradients at the last micro-batch only (FSDP2's set_requires_gradient_sync(False) before),
-    # and FSDP2 then holds every layer's unsharded gradient from one micro-batch to the next (FSDPMemTracker:
-    # tests/test_memory_oracle.py, "accumulating"), in the reduction's fp32 even when computing in bf16 (FSDP2's
-    # MixedPrecisionPolicy(reduce_dtype=fp32); bench/memory_oracle.py): a block's are 4 · 8M whole, not 2 · 8M / 8.
-    model = cost_model()
-    one, two = (model.layer(1, S(dp_shard=8), microbatches=m) for m in (1, 2))
-    assert one.memory.grads == pytest.approx(2 * P_BLOCK / 8, rel=EXACT)
-    assert two.memory.grads == pytest.approx(4 * P_BLOCK, rel=EXACT)
-    # each backward still makes the layer's fresh bf16 gradient before adding it in: the transient is unchanged
-    assert one.transient == two.transient == pytest.approx(2 * 2 * P_BLOCK, rel=EXACT)
-    # plain data parallelism holds whole gradients in the compute dtype either way
-    ddp = [model.layer(1, S(dp_replicate=8), microbatches=m).memory.grads for m in (1, 2)]
-    assert ddp == pytest.approx([2 * P_BLOCK] * 2, rel=EXACT)
-
-
 def test_the_reserve_is_added_to_every_stage_once():
     pred = cost_model(options=CostOptions(reserve_bytes=12_345)).estimate(plan(S(dp_shard=8), global_batch=16))
     # ZeRO-3 on all four layers, b = 2: states 2 bytes/param = 1.6M + 16M + 16M + 3.2M, saved 3,200 + 2·200,000 +

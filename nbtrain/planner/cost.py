@@ -21,7 +21,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
-* **The loss, accumulated gradients**: :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``.
+* **The loss** (the head's): :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``.
 * **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
   training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
   constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
@@ -61,7 +61,7 @@ from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
-from nbtrain.planner.memory_terms import gradient_bytes, loss_bytes
+from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
 from nbtrain.planner.strategy import Strategy, head_split_problem
@@ -186,7 +186,7 @@ class CostModel:
         p = prof.params / s.tp
         shard = s.dp_shard
         params = p * e / (shard if s.zero == 3 else 1)
-        grads = gradient_bytes(p, e, shard, microbatches, self.options.grad_reduce_bytes)
+        grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
         loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)

@@ -232,9 +232,7 @@ class SwitchingCostModel:
                 passes[c, j] = m * sum(n * (x.time.compute + x.time.tp_comm + x.time.zero3_comm) for x, n in costs)
                 sync[c, j] = m * sum(n * x.time.dp_comm for x, n in costs)  # per micro-batch: a share of the step's
                 micro[c, j], counts[c, j] = r, m
-                # with activations, what accumulating over m > 1 micro-batches adds to the states (counted at one):
-                # the whole gradients FSDP2 keeps between micro-batches without sync (CostModel.layer)
-                act[c, j] = sum(n * (x.memory.activations + x.memory.grads) for x, n in costs) - self.states[j].grads
+                act[c, j] = sum(n * x.memory.activations for x, n in costs)
                 transient[c, j] = max(x.transient for x, _ in costs)
         return BucketCost(bound, rows, micro, counts, passes, sync, act, transient)
 
