@@ -183,12 +183,34 @@ def test_stage_memory_is_the_sum_of_resident_bytes_plus_the_largest_transient():
     #   embed ZeRO-3   2·0.8M/8·(1+1+6) = 1.6M   + saved 16·200      =   1,603,200   transient 3.2M
     #   block DDP      16 · 8M          = 128M   + saved 1000·200    = 128,200,000   transient 0
     #   block ZeRO-2   16M + 2M + 12M   = 30M    + saved 1000·200    =  30,200,000   transient 16M
-    #   head ZeRO-3 ac 2 · 1.6M         = 3.2M   + kept 200·200      =   3,240,000   transient 6.4M + 500·200
+    #   head ZeRO-3 ac 2 · 1.6M         = 3.2M   + kept 200·200      =   3,240,000   transient 6.4M
+    #                                            + the loss's 500·200 =     100,000
+    # (the loss runs after the checkpointed head, so what it saves stays: here all of the head's 500 saved bytes a
+    # token, fewer than the fp32 logits, 2 · 4,000, it would save; its backward's two fp32 logits, 3.2M, < 16M)
     (stage,) = pred.stages
     assert stage.memory.transient == pytest.approx(16_000_000, rel=EXACT)
-    assert stage.memory.total == pytest.approx(163_243_200 + 16_000_000, rel=EXACT)
-    assert pred.memory_bytes == pytest.approx(179_243_200, rel=EXACT)
+    assert stage.memory.total == pytest.approx(163_343_200 + 16_000_000, rel=EXACT)
+    assert pred.memory_bytes == pytest.approx(179_343_200, rel=EXACT)
     assert stage.memory.params == pytest.approx(200_000 + 16_000_000 + 16_000_000 + 400_000, rel=EXACT)
+
+
+def test_the_heads_loss_backward_holds_two_fp32_logits_and_a_checkpointed_head_keeps_the_log_probabilities():
+    # A head of bf16 logits 40,000 bytes a token (20,000 classes), 90,000 saved bytes a token of which the loss's
+    # fp32 log-probabilities are 80,000 (what FSDPMemTracker counts for lm_loss: tests/test_memory_oracle.py).
+    # b = 2 (dp 8), 200 tokens: fp32 logits 80,000 · 200 = 16M.
+    prof = profile([*toy().layers[:3], layer("head", "head", params=P_HEAD, act=90_000, out=40_000, fwd=1)],
+                   seq_len=100)
+    model = cost_model(prof=prof)
+    plain, checkpointed = (model.layer(3, S(dp_shard=8, ac=ac), microbatches=1) for ac in (False, True))
+    # the loss's backward holds the gradients of the log-probabilities and of the logits at once: 2 · 16M, more
+    # than the head's gathered bf16 weights and unsharded gradients (2 · 2 · 1.6M)
+    assert plain.transient == pytest.approx(32_000_000, rel=EXACT)
+    assert plain.activations == pytest.approx(18_000_000, rel=EXACT)
+    # checkpointing the head keeps its input (200 · 200) and the log-probabilities the loss saved after it
+    assert checkpointed.activations == pytest.approx(40_000 + 16_000_000, rel=EXACT)
+    assert checkpointed.transient == pytest.approx(32_000_000, rel=EXACT)
+    # other layers have no loss: a block's transient is its gathered weights and unsharded gradients only
+    assert model.layer(1, S(dp_shard=8), microbatches=1).transient == pytest.approx(2 * 2 * P_BLOCK, rel=EXACT)
 
 
 def test_the_reserve_is_added_to_every_stage_once():

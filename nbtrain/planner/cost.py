@@ -22,6 +22,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations (``ac=op``: the part
   it did not keep). A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
+* **The loss** (the head's): :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``.
 * **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
   training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
   constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
@@ -62,6 +63,7 @@ from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
+from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reserve import reserve_parts
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
@@ -170,16 +172,19 @@ class CostModel:
         grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
-        if s.ac == "op":  # the input and the matmuls' and attention's outputs (selective_cost.py)
+        loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
+        if s.ac == "op":  # the input and the matmuls' and attention's outputs (selective_cost.py), and the loss's
             act = kept_per_rank(self._eval(index, "selective_bytes", b), self._hidden(index, b), prof.kind, s.tp,
-                                full_act)
-        elif s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank
-            act = self._hidden(index, b) if index > 0 else 8 * b * self.seq_len
+                                full_act) + loss_saved
+        elif s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank; the loss's
+            act = (self._hidden(index, b) if index > 0 else 8 * b * self.seq_len) + loss_saved
         else:
             act = full_act
-        # in its backward the recomputed activations are back: all (full), or what ac=op dropped (the rest resident)
-        transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
-            + (max(0.0, full_act - act) if s.ac == "op" else full_act if s.ac else 0.0)
+        # in its backward the recomputed activations are back: all (full), or what ac=op dropped; the loss's backward
+        # comes first, one after the other (memory_terms.loss_bytes)
+        recomputed = max(0.0, full_act - act) if s.ac == "op" else full_act - loss_saved if s.ac else 0.0
+        transient = max(loss_backward, (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0)
+                        + recomputed)
 
         fwd, bwd = self._compute(index, s, b)
         compute = fwd + bwd + (recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b),
@@ -201,6 +206,13 @@ class CostModel:
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
+
+    def _loss_bytes(self, index: int, s: Strategy, b: float, full_act: float) -> tuple[float, float]:
+        """The head's loss (:func:`~nbtrain.planner.memory_terms.loss_bytes`) on one TP rank; (0, 0) elsewhere."""
+        if self.profile.layers[index].kind != "head":
+            return 0.0, 0.0
+        split = s.tp if index not in (self.profile.arch.get("tp_gathers_output") or ()) else 1
+        return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act)
 
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
         """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism as the executor

@@ -1,0 +1,26 @@
+"""The loss's memory, a term of the cost model that torch's ``FSDPMemTracker`` found missing (issue 28, point 7).
+
+    >>> loss_bytes(16e6, dtype_bytes=2, saved=90e6)    # bf16 logits of 16 MB: (saved fp32 copy, backward's two)
+    (32000000.0, 64000000.0)
+
+It is checked against the tracker's count of nbtrain's own FSDP2 step (``tests/test_memory_oracle.py``;
+``bench/memory_oracle.py`` prints the table). :class:`~nbtrain.planner.cost.CostModel` adds it to the head.
+"""
+
+from __future__ import annotations
+
+
+def loss_bytes(logits: float, *, dtype_bytes: int, saved: float) -> tuple[float, float]:
+    """(bytes the loss saves for backward, bytes its backward holds at once) for a head whose output, the logits,
+    takes ``logits`` bytes in the compute dtype (``dtype_bytes``) and which saves ``saved`` bytes in all.
+
+    The loss nbtrain trains with (``lm_loss``, Hugging Face's causal-LM loss alike) upcasts the logits to fp32 and
+    takes their cross-entropy, which saves the log-probabilities (one fp32 copy of the logits, already among the
+    head's profiled saved bytes, hence at most ``saved``) and in backward holds two fp32 logits-sized gradients at
+    once (of the log-probabilities and of the logits). ``FSDPMemTracker`` on nbtrain's GPT (vocabulary 8192,
+    2 × 512 tokens a device) counts exactly these: 64 MiB of "temp" at the step's peak, during the loss's backward,
+    and 32 MiB of log-probabilities among the saved activations with the head checkpointed (the loss runs after
+    the model, outside the checkpoint). The loss's backward runs before the head's, whose gradient hooks have not
+    yet gathered its weights nor made its gradients: the two peaks come one after the other, not together."""
+    fp32 = logits * 4 / dtype_bytes
+    return min(fp32, saved), 2 * fp32
