@@ -13,13 +13,14 @@ Grammar (tokens are separated by whitespace, with no spaces around ``=``; keys i
     pipeline  := [pp=P] [mb=M] [schedule=1f1b|gpipe] [stages=a+b+...]
     layers    := strategy  |  range ":" strategy (";" range ":" strategy)* [";"]
     range     := span ("," span)*          span := i | i-j      (0-based, inclusive)
-    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [ac] [offload=f]
+    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [sp] [ac] [offload=f]
 
 - Omitted keys mean 1 / off / ``schedule=1f1b`` / the even stage split, except ``dp_replicate``, which takes the
   devices left over: num_devices // (pp × dp_shard × tp). So ``dp_shard=4`` on 16 devices is HSDP with
   dp_replicate=4, and ``pp=2 mb=4`` alone on 8 devices gives dp_replicate=4 on every layer.
 - ``stages`` without ``pp`` sets pp to the number of stages. ``offload`` is a fraction (``0.25``) or a percentage
-  (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding).
+  (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding). ``sp`` (sequence parallelism,
+  a flag like ``ac``) needs ``tp`` > 1: ``0: tp=2; 1-12: tp=2 sp; 13: tp=2``.
 - Without layer ranges the ``|`` may be left out: ``pp=2 mb=4 tp=2`` is ``pp=2 mb=4 | tp=2``.
 - The ranges must cover every layer exactly once.
 """
@@ -37,13 +38,16 @@ if TYPE_CHECKING:  # the plan module imports this one: plans are read and writte
     from nbtrain.planner.plan import Plan
 
 PIPELINE_KEYS = ("pp", "mb", "schedule", "stages")
-LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "ac", "offload")
+LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "ac", "offload")
+FLAGS = {"ac": "activation checkpointing", "sp": "sequence parallelism (with tp > 1)"}
+"""Keys written alone, without a value (on when present)."""
 _EXAMPLE = {"pp": "pp=2", "mb": "mb=8", "schedule": "schedule=1f1b' or 'schedule=gpipe", "stages": "stages=12+12",
             "dp_replicate": "dp_replicate=2", "dp_shard": "dp_shard=4", "zero": "zero=2' or 'zero=3", "tp": "tp=2",
-            "ac": "ac", "offload": "offload=0.25"}
+            "ac": "ac", "sp": "tp=2 sp", "offload": "offload=0.25"}
 _HINTS = {"dp": "dp_replicate (DDP) or dp_shard (FSDP)", "ddp": "dp_replicate", "fsdp": "dp_shard",
           "hsdp": "dp_replicate and dp_shard together", "microbatches": "mb", "micro_batches": "mb",
-          "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp"}
+          "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp",
+          "sequence_parallel": "sp", "sequence_parallelism": "sp"}
 _FORM = "'pp=2 mb=8 | dp_shard=4 tp=2 ac' or '0-11: tp=2 ac; 12-23: dp_shard=2'"
 
 
@@ -164,9 +168,9 @@ def _read(tokens: list[str], allowed: tuple[str, ...], misplaced: str) -> dict:
         if key in seen:
             raise InvalidPlanError(f"{token!r} repeats {key!r} (already {seen[key]!r}); give each key once")
         seen[key] = token
-        if key == "ac":
+        if key in FLAGS:
             if has_value:
-                raise InvalidPlanError(f"{token!r}: ac is a flag; write 'ac' for activation checkpointing, or "
+                raise InvalidPlanError(f"{token!r}: {key} is a flag; write '{key}' for {FLAGS[key]}, or "
                                        "leave it out for none")
             out[key] = True
             continue
@@ -211,6 +215,9 @@ def _strategy(body: str, where: str, pp: int, num_devices: int) -> Strategy:
     if "zero" in keys and dp_shard == 1:
         raise InvalidPlanError(f"{where}: zero is the level of sharded data parallelism and needs dp_shard > 1; "
                                "add it, e.g. 'dp_shard=8 zero=2'")
+    if keys.get("sp") and tp == 1:
+        raise InvalidPlanError(f"{where}: sp (sequence parallelism) splits the sequence over the tensor-parallel "
+                               "ranks, so it needs tp > 1; write e.g. 'tp=2 sp', or leave out 'sp'")
     if "dp_replicate" in keys:
         product = keys["dp_replicate"] * dp_shard * tp * pp
         if product != num_devices:
