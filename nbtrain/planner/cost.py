@@ -15,9 +15,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   The offloaded fraction of the optimizer state lives in host memory.
 * **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch; tensor parallelism without
   sequence parallelism divides them by ``tp`` except the hidden-sized tensors every rank holds whole (a block's
-  norms' inputs and outputs: four hidden states); with sequence parallelism (``sp``) a block's every saved tensor
-  is divided by ``tp`` (§4.2.2: ``34sbh/t + 5as²b/t`` per layer). With checkpointing only the layer's input is
-  kept: whole, or its ``1/tp`` slice of the sequence under ``sp``.
+  norms' inputs and outputs: four hidden states), with it (``sp``) all of a block's (§4.2.2: ``34sbh/t +
+  5as²b/t``); with checkpointing only the layer's input is kept, whole (under ``sp`` a block's ``1/tp`` of it).
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations. A stage's memory is
@@ -30,13 +29,10 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
   the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
   profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016).
-* **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019); with
-  ``sp`` each becomes an all-gather and a reduce-scatter, the same bytes (Korthikanti et al. 2022 §4.2.2: a ring
-  all-reduce is a reduce-scatter then an all-gather); embeddings and head one each way; measured on this machine's
-  executor where it was (:mod:`nbtrain.planner.link_costs`). Ring cost ``(k − 1)/k · bytes / bandwidth`` (Thakur et
-  al. 2005). Not overlapped. The executor runs the embedding and the head of an ``sp`` plan on the whole sequence:
-  the embedding's output is sliced (its gradient all-gathered in backward) and the head's input all-gathered, one
-  all-gather of the hidden state each, charged to that layer.
+* **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; ``sp``:
+  all-gathers and reduce-scatters of the same bytes, Korthikanti et al. 2022 §4.2.2); embeddings and head one each
+  way (``sp``: an all-gather more); as measured where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
+  ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005). Not overlapped.
 * **ZeRO-3** gathers each layer's parameters in forward and again in backward, every micro-batch; prefetching
   hides them under that layer's compute, so only the excess shows.
 * **Data-parallel gradient sync**, once per step, in fp32: all-reduce ``2(k − 1)/k · bytes / bw`` (DDP), or
@@ -50,8 +46,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   "device" shares the host's memory: no PCIe, but the update copies its new weights into the parameters (at the
   copy bandwidth), and the device's own share of the update takes the same cores' time (``Time.update``).
 * **Re-layout** between consecutive layers whose (dp, tp, sp) layout differs: the hidden state moves once forward,
-  once backward (Galvatron-BMW's transformation cost); between an ``sp`` and a non-``sp`` layer of the same (dp, tp)
-  it is one all-gather over the ``tp`` ranks (forward into a non-``sp`` layer, the gradient backward out of one).
+  once backward (Galvatron-BMW's transformation cost); one all-gather over ``tp`` where only ``sp`` differs.
 * **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch; step time
   ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (GPipe, Huang et al. 2019; the same bubble for 1F1B). Once-per-step costs (the
   gradient sync, the offloaded update) are spread over the ``m`` micro-batches of their stage, which is exact
@@ -64,7 +59,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
+from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, gather_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
 from nbtrain.planner.strategy import Strategy, head_split_problem
@@ -192,10 +187,9 @@ class CostModel:
         grads = p * e / shard
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
-        if s.ac:  # keep only the layer's input (token ids for the first layer): whole on every TP rank, or with sp
-            # the rank's slice of the sequence (a block's; the executor gathers the head's before it runs)
-            act = self._hidden(index, b) / (s.tp if self._sequence_split(index, s) else 1) if index > 0 \
-                else 8 * b * self.seq_len
+        split = s.sp and prof.kind == "block"  # the executor runs an sp plan's embedding and head on the whole sequence
+        if s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank (sp: a slice)
+            act = self._hidden(index, b) / (s.tp if split else 1) if index > 0 else 8 * b * self.seq_len
         else:
             act = full_act
         transient = (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0) \
@@ -206,17 +200,15 @@ class CostModel:
 
         passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward
         world, links = c.num_devices, self.links
-        tp_comm = tp_seconds(links, world, s, prof.kind, hidden=self._hidden(index, b),
+        hidden = self._hidden(index, b)
+        tp_comm = tp_seconds(links, world, s, prof.kind, hidden=hidden,
                              output=self._eval(index, "output_bytes", b), pairs=self._arch_list("tp_pairs", index, 2),
                              gathers_output=index in (self.profile.arch.get("tp_gathers_output") or ()),
-                             passes=passes, sequence_parallel=self._sequence_split(index, s)) if s.tp > 1 else 0.0
-        if tp_comm is None:  # 4 ring passes per block and pass: 2 all-reduces, or with sp 2 all-gathers and 2
-            # reduce-scatters, the same bytes (Korthikanti et al. 2022, §4.2.2)
-            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, self._hidden(index, b),
-                                                                        self._bandwidth(s.tp))
-        if s.sp and not self._sequence_split(index, s):  # the embedding or the head of an sp plan: the slice's
-            # gradient (embedding) or the input (head, again when recomputed) is all-gathered over tp
-            tp_comm += (1 if index == 0 else passes - 1) * self._all_gather(s.tp, self._hidden(index, b))
+                             passes=passes, sequence_parallel=split) if s.tp > 1 else 0.0
+        if tp_comm is None:  # 4 ring passes per block and pass: 2 all-reduces (sp: 2 all-gathers, 2 reduce-scatters)
+            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp))
+        if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
+            tp_comm += (1 if index == 0 else passes - 1) * gather_seconds(self.links, self.cluster, s.tp, hidden)
         zero3, dp_comm = self._data_parallel(index, s, p, compute, bwd)
         offload, update = self._optimizer(index, s, p, bwd)
         per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
@@ -224,28 +216,16 @@ class CostModel:
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
-    def _sequence_split(self, index: int, s: Strategy) -> bool:
-        """Whether layer ``index`` runs on its slice of the sequence: a block with ``sp`` (the executor runs the
-        embedding and the head of an ``sp`` plan on the whole sequence)."""
-        return s.sp and self.profile.layers[index].kind == "block"
-
-    def _all_gather(self, tp: int, nbytes: float) -> float:
-        """One all-gather producing ``nbytes`` over ``tp`` ranks: measured here where it was, else the ring."""
-        gather = self.links.find("all_gather", tp, self.cluster.num_devices)
-        return gather.seconds(nbytes) if gather is not None else _ring(tp, nbytes, self._bandwidth(tp))
-
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
-        """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism without sequence
-        parallelism (DTensor colwise/rowwise pairs) splits what the heads and the MLP's inner width compute; the
-        hidden-sized tensors around them are whole on every rank: a block's two norms' inputs and outputs (four
-        hidden states; Korthikanti et al. 2022's 10·sbh counts two dropout masks besides), a head's input. With
-        sequence parallelism a block's norms, residual adds and the attention's and MLP's inputs (kept as the
-        rank's slice, gathered again in backward) are split along the sequence too: every saved byte over ``tp``
-        (Korthikanti et al. 2022, §4.2.2, eq. 5: ``34sbh/t + 5as²b/t``)."""
+        """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism without ``sp``
+        splits what the heads and the MLP's inner width compute; the hidden-sized tensors around them are whole on
+        every rank: a block's two norms' inputs and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh
+        counts two dropout masks besides), a head's input. A block with ``sp`` splits those along the sequence
+        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``)."""
         full = self._eval(index, "activation_bytes", b)
         if s.tp == 1:
             return full
-        if self._sequence_split(index, s):
+        if s.sp and self.profile.layers[index].kind == "block":
             return full / s.tp
         kept = (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b)
         whole = min(full, kept)
@@ -313,10 +293,9 @@ class CostModel:
         """Seconds per micro-batch to move the hidden state entering ``index`` between two layouts."""
         if before.layout == after.layout:
             return 0.0
-        if (before.dp, before.tp) == (after.dp, after.tp):  # sp on one side only: gather the sequence forward (into
-            # a non-sp layer) or the gradient backward (out of one); the slice the other way costs nothing
-            return self._all_gather(before.tp, self._hidden(index, self.micro_batch(before, microbatches)))
         nbytes = max(self._hidden(index, self.micro_batch(s, microbatches)) / s.tp for s in (before, after))
+        if before.layout[:2] == after.layout[:2]:  # sp on one side: gather the sequence forward, or its gradient back
+            return gather_seconds(self.links, self.cluster, before.tp, nbytes * before.tp)
         gather = self.links.find("all_gather", before.devices, self.cluster.num_devices)
         if gather is not None:  # measured: one gather of the hidden state forward, one of its gradient back
             return 2 * gather.seconds(nbytes * before.devices)
@@ -326,11 +305,8 @@ class CostModel:
         """Seconds per micro-batch that ``stage`` (ending at ``last_layer``) spends sending its output forward and
         receiving the gradient back. pp is the outermost mesh axis: stage i runs on devices [i·D, (i+1)·D), so its
         next stage is in another node unless both sit inside one."""
-        b = self.micro_batch(s, microbatches)
-        nbytes = self._eval(last_layer, "output_bytes", b) / s.tp
-        # with sp the stage hands on the whole sequence: gathered forward, the gradient gathered again on the other
-        # side (nbtrain.run.parallel.parallelize)
-        gather = 2 * self._all_gather(s.tp, self._eval(last_layer, "output_bytes", b)) if s.sp else 0.0
+        nbytes = self._eval(last_layer, "output_bytes", self.micro_batch(s, microbatches)) / s.tp
+        gather = 2 * gather_seconds(self.links, self.cluster, s.tp, nbytes * s.tp) if s.sp else 0.0  # sp: sent whole
         per_stage, node = self.cluster.num_devices // pp, self.cluster.devices_per_node
         boundary = (stage + 1) * per_stage  # first device of the next stage
         same_node = per_stage < node and boundary % node != 0
@@ -401,9 +377,6 @@ class CostModel:
                 raise InvalidPlanError(f"layer {i}: tp={s.tp}, but {cannot}; use tp=1")
             if s.sp and arch.get("no_sequence_parallel") and self.profile.layers[i].kind == "block":
                 raise InvalidPlanError(f"layer {i}: sp, but {arch['no_sequence_parallel']}; leave out 'sp'")
-            if s.sp and self.seq_len % s.tp:
-                raise InvalidPlanError(f"layer {i}: sp splits the sequence of {self.seq_len} tokens over tp={s.tp} "
-                                       f"ranks; use a sequence length divisible by {s.tp}, or leave out 'sp'")
             layer = self.profile.layers[i]
             problem = head_split_problem(s.tp, arch.get("n_head"), arch.get("n_kv_head")) \
                 if layer.kind == "block" else ""  # the embedding and the head split the vocabulary, not heads

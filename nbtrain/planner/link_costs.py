@@ -43,6 +43,17 @@ def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: floa
     return seconds
 
 
+def gather_seconds(links: Links, cluster, group: int, nbytes: float) -> float:
+    """One all-gather producing ``nbytes`` over ``group`` consecutive devices of ``cluster`` (the hidden state at a
+    sequence-parallel boundary): as measured here, else a ring, ``(k − 1)/k · bytes / bandwidth`` (Thakur et al.
+    2005), inside a node when the group fits in one."""
+    gather = links.find("all_gather", group, cluster.num_devices)
+    if gather is not None:
+        return gather.seconds(nbytes)
+    inside = group <= cluster.devices_per_node
+    return (group - 1) / group * nbytes / (cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth)
+
+
 def fsdp_seconds(links: Links, world: int, s: Strategy, kind: str, *, param_bytes: float) -> float | None:
     """What FSDP2 adds to a layer sharded ``dp_shard`` ways per micro-batch: its forward gather and, under ZeRO-3,
     the backward gather, then the gradients' reduce-scatter, as measured on a transformer block (for a block) or
