@@ -184,6 +184,8 @@ def test_sp_lets_llama3_70b_fit_at_8192_tokens_where_tp_alone_does_not():
           f"({plain.stages[0].memory.activations / 2**30:.1f} activations), tp=8 sp {sp.memory_bytes / 2**30:.1f} GiB "
           f"({sp.stages[0].memory.activations / 2**30:.1f}); step {plain.step_time_s:.3f} s / {sp.step_time_s:.3f} s")
     assert not plain.fits and sp.fits
+    typed = nbtrain.plan(prof, cluster, global_batch=8, seq_len=8192, strategy="dp_shard=8 tp=8 sp")
+    assert "tp=8 · sp on 82/82 · ac on 0/82" in typed.summary()
     # the same bytes through the collectives (Korthikanti et al. 2022, §4.2.2): about the same step
     assert sp.step_time_s == pytest.approx(plain.step_time_s, rel=0.05)
 
