@@ -59,6 +59,14 @@ def test_sequence_parallel_with_fsdp_and_pipeline_on_four_processes_matches_sing
         assert _close(losses[plan], reference) <= TOL, (plan, losses[plan], reference)
 
 
+@pytest.mark.parametrize("model", ["qwen2", "mistral"])
+def test_sequence_parallel_on_other_llama_like_transformers_decoders_matches_single_process_losses(model):
+    from nbtrain.run.verify import verify
+
+    report = verify(f"tests.any_models:{model}", "tp=2 sp", processes=2, steps=5, batch=4, seq=16, timeout=180)
+    assert report.ok and max(report.loss_differences) <= TOL, str(report)
+
+
 # -- the grammar ---------------------------------------------------------------------------------------------------
 
 def test_sp_round_trips_through_the_compact_form():
