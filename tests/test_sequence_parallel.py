@@ -208,3 +208,23 @@ def test_an_sp_boundary_costs_one_all_gather_of_the_hidden_state():
     assert model.relayout(2, sp, plain, 1) == pytest.approx(ring, rel=1e-9)
     assert model.relayout(2, plain, sp, 1) == pytest.approx(ring, rel=1e-9)
     assert model.relayout(2, sp, sp, 1) == 0.0
+
+
+def test_sp_collectives_cost_the_all_reduces_bytes_plus_what_splitting_them_costs_where_measured():
+    from nbtrain.planner.link_costs import tp_seconds
+    from nbtrain.profiler.collectives import Link, Links
+
+    cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)
+    model = CostModel(_llama3_70b_profile(), cluster, global_batch=1, seq_len=8192)
+    # datasheet: a ring all-reduce is a reduce-scatter then an all-gather (Korthikanti et al. 2022, §4.2.2)
+    assert model.layer(1, Strategy(tp=8, sp=True), 1).time.tp_comm == \
+        pytest.approx(model.layer(1, Strategy(tp=8), 1).time.tp_comm, rel=1e-12)
+    # measured: the TP block as measured, plus (all-gather + reduce-scatter − all-reduce) per all-reduce and pass
+    links = Links((Link("tp_block_forward", 2, 2, 1e-3, 1e9), Link("tp_block_backward", 2, 2, 2e-3, 1e9),
+                   Link("all_gather", 2, 2, 3e-4, 2e9), Link("reduce_scatter", 2, 2, 3e-4, 2e9),
+                   Link("all_reduce", 2, 2, 4e-4, 1e9)))
+    args = dict(hidden=1e6, output=0.0, pairs=2, gathers_output=False, passes=2)
+    plain = tp_seconds(links, 2, Strategy(tp=2), "block", **args)
+    sp = tp_seconds(links, 2, Strategy(tp=2, sp=True), "block", sequence_parallel=True, **args)
+    split = 2 * (3e-4 + 1e6 / 2e9) - (4e-4 + 1e6 / 1e9)  # 0.2 ms more per all-reduce
+    assert sp - plain == pytest.approx(2 * 2 * split)

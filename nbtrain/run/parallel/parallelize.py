@@ -124,13 +124,12 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             group = [slot_module(p, a) for p, a in layers[0] + slots]
             fully_shard(group, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
                         mp_policy=policy)
-        # the hidden state as it arrives (what layer i − 1 hands on, whole from the embedding or from the previous
-        # stage) and as this layer runs on it (whole for the head)
-        before = plan.layers[i - 1].layout if i > 0 else None
-        arrives = before if i > start and i > 1 else whole(before) if before else None
-        runs = whole(s.layout) if i == last else s.layout
-        if arrives is not None and arrives != runs:
-            add_relayout(slot_module(*slots[0]), arrives, runs, meshes.stage_group, mesh["tp"])
+        if i > 0:  # the hidden state as it arrives (what layer i − 1 hands on: whole from the embedding or from the
+            # previous stage) and as this layer runs on it (whole for the head)
+            arrives = plan.layers[i - 1].layout if i > start and i > 1 else whole(plan.layers[i - 1].layout)
+            runs = whole(s.layout) if i == last else s.layout
+            if arrives != runs:
+                add_relayout(slot_module(*slots[0]), arrives, runs, meshes.stage_group, mesh["tp"])
         if split_sequence and i == end - 1:  # a stage's last layer sends the next stage the whole sequence
             add_relayout(slot_module(*slots[-1]), s.layout, whole(s.layout), meshes.stage_group, mesh["tp"],
                          output=True)

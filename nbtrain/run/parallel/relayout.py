@@ -1,5 +1,9 @@
 """Move the hidden state between two layers whose (dp, tp, sp) layouts differ, with exact gradients.
 
+    >>> add_relayout(block, (2, 1, False), (1, 2, True), meshes.stage_group, meshes.for_strategy(s)["tp"])
+    >>> whole((1, 2, True))                # what an embedding, a head or a pipeline stage boundary hands on
+    (1, 2, False)
+
 Under layout ``(dp, tp, sp)`` the ``D = dp·tp`` ranks of a stage hold the micro-batch's rows in ``dp`` slices: rank
 ``r`` holds slice ``r // tp`` (tp is the innermost mesh axis), replicated over its ``tp`` ranks, or with ``sp``
 (sequence parallelism) split along the sequence over them, rank ``r`` holding part ``r % tp``. To change layout,
