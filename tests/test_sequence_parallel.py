@@ -228,3 +228,15 @@ def test_sp_collectives_cost_the_all_reduces_bytes_plus_what_splitting_them_cost
     sp = tp_seconds(links, 2, Strategy(tp=2, sp=True), "block", sequence_parallel=True, **args)
     split = 2 * (3e-4 + 1e6 / 2e9) - (4e-4 + 1e6 / 1e9)  # 0.2 ms more per all-reduce
     assert sp - plain == pytest.approx(2 * 2 * split)
+
+
+def test_the_planner_chooses_sp_where_it_pays_and_plain_tp_where_it_only_ties():
+    tiny = nbtrain.profile("gpt-tiny", batch_size=1, seq_len=32)
+    best = nbtrain.plan(tiny, nbtrain.Cluster.from_catalog("H100", num_devices=2), global_batch=8, seq_len=32)
+    # memory to spare, the same bytes through the collectives: the simpler plan, TP without sp
+    assert any(s.tp > 1 for s in best.layers) and not any(s.sp for s in best.layers), str(best)
+    best = nbtrain.plan(_llama3_70b_profile(), nbtrain.Cluster.from_catalog("H100", num_devices=64), global_batch=64,
+                        seq_len=8192)
+    # 80 GiB is tight at 8192 tokens: sp on every block lets fewer of them recompute
+    blocks = best.layers[1:-1]
+    assert all(s.sp for s in blocks) and sum(s.ac for s in blocks) < len(blocks), str(best)

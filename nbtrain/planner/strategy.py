@@ -125,7 +125,12 @@ class Strategy:
         return " ".join(parts) or "dp_replicate=1"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict; ``sp`` only when on, so a plan file without sequence parallelism reads the same in
+        an nbtrain that predates it."""
+        d = dataclasses.asdict(self)
+        if not self.sp:
+            del d["sp"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Strategy:
