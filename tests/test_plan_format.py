@@ -34,10 +34,11 @@ def roundtrip_json(plan: Plan) -> Plan:
 
 # --- Strategy ----------------------------------------------------------------------------------------------------
 
-def test_strategy_degrees_multiply_to_its_devices_and_layout_is_dp_and_tp():
+def test_strategy_degrees_multiply_to_its_devices_and_layout_is_dp_tp_and_sp():
     s = S(dp_replicate=2, dp_shard=4, tp=2)
-    assert (s.devices, s.dp, s.layout) == (16, 8, (8, 2))
-    assert S().devices == 1 and S().layout == (1, 1)
+    assert (s.devices, s.dp, s.layout) == (16, 8, (8, 2, False))
+    assert S().devices == 1 and S().layout == (1, 1, False)
+    assert S(tp=2, sp=True).layout == (1, 2, True)
 
 
 def test_strategy_prints_non_default_keys_in_the_fixed_order():
@@ -405,11 +406,13 @@ def test_random_valid_plans_round_trip_through_the_compact_form_and_json():
 def test_strategy_space_for_4_devices_2_per_node_is_the_hand_enumeration():
     # tp ∈ {1, 2}: tp=4 would leave the node (2 devices per node).
     # tp=1, dp=4: (dp_replicate, dp_shard) ∈ {(4,1), (2,2), (1,4)}; the sharded two take zero=2 or 3 → 5.
-    # tp=2, dp=2: {(2,1), (1,2)}; the sharded one takes zero=2 or 3 → 3.  No ac, one offload level: 8 in all.
+    # tp=2, dp=2: {(2,1), (1,2)}; the sharded one takes zero=2 or 3 → 3, each with sp off and on → 6.
+    # No ac, one offload level: 11 in all.
     expected = {
         S(dp_replicate=4), S(dp_replicate=2, dp_shard=2, zero=2), S(dp_replicate=2, dp_shard=2, zero=3),
         S(dp_shard=4, zero=2), S(dp_shard=4, zero=3),
         S(dp_replicate=2, tp=2), S(dp_shard=2, zero=2, tp=2), S(dp_shard=2, zero=3, tp=2),
+        S(dp_replicate=2, tp=2, sp=True), S(dp_shard=2, zero=2, tp=2, sp=True), S(dp_shard=2, zero=3, tp=2, sp=True),
     }
     space = strategy_space(4, devices_per_node=2, allow_ac=False)
     assert len(space) == len(expected) and set(space) == expected
@@ -418,11 +421,13 @@ def test_strategy_space_for_4_devices_2_per_node_is_the_hand_enumeration():
 
 def test_strategy_space_for_8_devices_in_one_node():
     # dp = 2^k has k+1 (replicate, shard) splits, k of them sharded with two zero levels: 1 + 2k each.
-    # tp 1, 2, 4, 8 → dp 8, 4, 2, 1 → 7 + 5 + 3 + 1 = 16, times ac none/op/full = 48.
+    # tp 1, 2, 4, 8 → dp 8, 4, 2, 1 → 7 + 5 + 3 + 1 = 16; sp off and on where tp > 1: 7 + 2 × 9 = 25;
+    # times ac none/op/full = 75.
     space = strategy_space(8, devices_per_node=8)
-    assert len(space) == len(set(space)) == 48
+    assert len(space) == len(set(space)) == 75
     assert all(s.devices == 8 and s.offload == 0.0 for s in space)
     assert {s.tp for s in space} == {1, 2, 4, 8} and {s.ac for s in space} == {False, "op", True}
+    assert {s.tp for s in space if s.sp} == {2, 4, 8}
     assert all(s.zero == 3 for s in space if s.dp_shard == 1)
 
 
@@ -435,7 +440,8 @@ def test_strategy_space_respects_the_caps_and_levels():
     space = strategy_space(2, devices_per_node=2, allow_ac=False, zero_levels=(3,), offload_levels=(0.0, 0.5, 1.0))
     assert [str(s) for s in space] == ["dp_replicate=2", "dp_replicate=2 offload=0.5", "dp_replicate=2 offload=1",
                                        "dp_shard=2", "dp_shard=2 offload=0.5", "dp_shard=2 offload=1",
-                                       "tp=2"]  # offload only without TP: the executor offloads data parallel
+                                       "tp=2", "tp=2 sp"]  # offload only without TP: the executor offloads data
+    # parallel
     assert strategy_space(1, devices_per_node=8) == [S(), S(ac="op"), S(ac=True)]
 
 

@@ -17,11 +17,16 @@ the model's own (``config.base_model_tp_plan`` and the class's ``_tp_plan``), el
 for GPT-2 (transformers ships none for it); the embedding and the head split the vocabulary wherever the plan says
 nothing of them. A model whose blocks no plan splits has none, and ``no_tensor_parallel`` says why. **Pipeline
 stages** (``stages``) are cut at layer boundaries where the executor knows how to run a layer on the hidden state
-alone; ``no_pipeline`` says why not elsewhere.
+alone; ``no_pipeline`` says why not elsewhere. **Sequence parallelism** (``sequence_parallel``) runs a block's
+norms on the rank's part of the sequence, gathers it before the attention and the MLP, and reduce-scatters their
+row-wise projections' output (:func:`sequence_roles`); a block where nbtrain cannot do that safely (no norm it
+knows, active dropout, a module it does not know to run token by token) has a reason in
+``no_sequence_parallel``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -140,6 +145,11 @@ class ModelDescription:
     for both, laid out alike: rows of the table, output features of the head) and across pipeline stages (a copy in
     the first and the last, their gradients summed). Hugging Face models, whose tie is the token table and the head
     the vocabulary split names; nbtrain's own GPT keeps its tie whole, in one stage."""
+    sequence_parallel: list[list[tuple[str, str]]] = field(default_factory=list)
+    """Per layer, ``(module name, role)`` of what sequence parallelism changes in a block (:func:`sequence_roles`;
+    empty for the embedding and the head, which run on the whole sequence)."""
+    no_sequence_parallel: list[str] = field(default_factory=list)
+    """Per layer, why sequence parallelism cannot run there (empty: it can)."""
 
     def module(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)
@@ -157,6 +167,10 @@ class ModelDescription:
             attn = slot_module(parent, attr).attn
             attn.split_size //= tp
             attn.num_heads //= tp
+
+    def sequence_parallel_problem(self, layer: int) -> str:
+        """Why layer ``layer`` cannot run with sequence parallelism (empty: it can)."""
+        return self.no_sequence_parallel[layer] if layer < len(self.no_sequence_parallel) else ""
 
     def tensor_parallel_problem(self, layer: int, tp: int) -> str:
         """Why layer ``layer`` cannot be split ``tp`` ways (empty: it can)."""
@@ -266,8 +280,72 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
     splits_tied = family.splits_tied or family.name.startswith("hf-") and bool(ties) and all(
         module_names.get(id(a)) in vocabulary and module_names.get(id(b)) in vocabulary and a_name == b_name == "weight"
         for (a, a_name), (b, b_name) in ties)
+    roles, no_sp = [], []
+    for i, (slots, layer_names) in enumerate(zip(layers, names)):
+        block = 0 < i < len(layers) - 1
+        found_roles, problem = sequence_roles(slot_module(*slots[0]), layer_names[0], split[i]) if block else ([], "")
+        roles.append(found_roles)
+        no_sp.append(problem)
     return ModelDescription(model, family, layers, names, split, why, stages, no_pipeline, ties, no_offload,
-                            splits_tied)
+                            splits_tied, roles, no_sp)
+
+
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm torch's ``SequenceParallel`` runs on a part of the sequence: ``nn.LayerNorm``, ``nn.RMSNorm``, or a
+    Python RMSNorm / LayerNorm without submodules (Hugging Face's ``LlamaRMSNorm``), which normalise each token."""
+    return isinstance(module, NORMS) or (type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+                                         and not any(True for _ in module.children()))
+
+
+def sequence_roles(block: nn.Module, name: str, split: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str]:
+    """``([(module name, role)], problem)`` of sequence parallelism in ``block`` (named ``name``, split by TP as
+    ``split`` says): its norms run on the rank's part of the sequence (``sequence_parallel``), each direct child
+    that holds a row-wise projection (the attention, the MLP) gathers its hidden state (``gather_input:ARG``, ARG
+    the name of its forward's first parameter), and the row-wise projections reduce-scatter
+    (``rowwise_sequence_output``); what the block's own forward does between them (residual adds) is token by token.
+    ``problem`` says why nbtrain cannot run it so (the roles are then empty):
+
+        >>> from nbtrain.models import GPT, GPTConfig
+        >>> d = describe(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)))
+        >>> d.sequence_parallel[1][:2], d.no_sequence_parallel
+        ([('blocks.0.ln_1', 'sequence_parallel'), ('blocks.0.attn', 'gather_input:x')], ['', '', ''])
+    """
+    kind = f"{name} ({type(block).__name__})"
+    for n, module in block.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            return [], (f"{name}.{n} is dropout with p={module.p:g}: on its part of the sequence each rank would "
+                        "draw its own mask, unlike one process; set the model's dropout to 0 (e.g. config "
+                        "resid_pdrop=0.0)")
+    odd = sorted({style for _, style in split} - {"colwise", "rowwise"})
+    if odd:
+        return [], (f"{kind} is split by the TP style(s) {', '.join(odd)}; nbtrain runs sequence parallelism on "
+                    "blocks split colwise → rowwise only")
+    rowwise = [n for n, style in split if style == "rowwise"]
+    for n in rowwise:
+        module = block.get_submodule(n[len(name) + 1:] if name else n)
+        if type(module) is not nn.Linear:
+            return [], (f"{n} is a {type(module).__name__}; nbtrain's sequence parallelism reduce-scatters the "
+                        "output of nn.Linear row-wise projections only")
+    roles, norms = [], 0
+    for child_name, child in block.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        if _is_norm(child):
+            roles.append((full, "sequence_parallel"))
+            norms += 1
+        elif any(_within(n, [full]) and n != full for n in rowwise):
+            first = next(iter(inspect.signature(child.forward).parameters), "hidden_states")
+            roles.append((full, f"gather_input:{first}"))
+        elif any(True for _ in child.parameters()):
+            return [], (f"{full} ({type(child).__name__}) is neither a norm nor a module holding a row-wise "
+                        "projection, so nbtrain does not know that it runs token by token on a part of the sequence")
+    missing = [what for what, found in (("a norm nbtrain knows (LayerNorm, RMSNorm)", norms),
+                                        ("a row-wise projection", rowwise)) if not found]
+    if missing:
+        return [], f"{kind} has no {' and no '.join(missing)} to run sequence-parallel"
+    return roles + [(n, "rowwise_sequence_output") for n in rowwise], ""
 
 
 COMMUNICATING = ("rowwise", "rowwise_split_input", "embedding_rowwise", "colwise_gather_output")
@@ -276,7 +354,8 @@ COMMUNICATING = ("rowwise", "rowwise_split_input", "embedding_rowwise", "colwise
 
 def planner_facts(description: ModelDescription) -> dict:
     """What the planner must know of the executor's reach on this model, kept in the profile's ``arch``:
-    ``no_tensor_parallel`` / ``no_pipeline`` (why not; empty: it can), ``cuts_stages``, ``traced_stages`` (its
+    ``no_tensor_parallel`` / ``no_pipeline`` / ``no_sequence_parallel`` (why not, the latter naming the first block
+    it fails on; empty: it can), ``cuts_stages``, ``traced_stages`` (its
     stages are traced graphs, which run without tensor parallelism), ``splits_tied``, and
     ``tp_pairs`` (per layer, the styles that sum or gather in forward: the collectives TP issues each way),
     ``tp_gathers_output`` (layers whose output is gathered whole: an LM head), and
@@ -289,7 +368,9 @@ def planner_facts(description: ModelDescription) -> dict:
                 sizes.append(split_dimension(description.module(name), style)[1])
         if 0 < layer < len(description.layers) - 1 and description.splits_heads(layer):
             sizes += [n for n in (description.family.n_head, description.family.n_kv_head) if n]
+    no_sp = next((f"layer {i}: {why}" for i, why in enumerate(description.no_sequence_parallel) if why), "")
     return {"no_tensor_parallel": description.no_tensor_parallel, "no_pipeline": description.no_pipeline,
+            "no_sequence_parallel": no_sp,
             "no_offload": description.no_offload,
             "cuts_stages": bool(description.stages), "traced_stages": description.stages == "traced",
             "splits_tied": description.splits_tied,

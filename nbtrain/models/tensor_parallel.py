@@ -27,6 +27,18 @@ by output features, the second by input features, one all-reduce per pair):
 ``colwise`` and ``rowwise`` on a ``transformers`` ``Conv1D`` (GPT-2's linear layers, whose weight is the transpose
 of ``nn.Linear``'s) take nbtrain's own styles of the same split (:mod:`nbtrain.models.conv1d`). Any other style of
 Hugging Face's (``packed_rowwise``, ``local``, the mixture-of-experts ones) is refused by name.
+
+Sequence parallelism (Korthikanti et al. 2022, §4.2.2) adds three roles inside a block, torch's styles as
+torchtitan combines them (:func:`sequence_style`):
+
+==========================  ==========================================================================================
+``sequence_parallel``       ``SequenceParallel()`` on a norm: it runs on this rank's part of the sequence
+``gather_input:NAME``       ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())`` on the
+                            hidden state (first argument, or the keyword ``NAME``) of the attention or the MLP: the
+                            sequence all-gathered before the column-parallel projections
+``rowwise_sequence_output`` ``RowwiseParallel(output_layouts=Shard(1))``: the partial sums reduce-scattered along the
+                            sequence instead of all-reduced
+==========================  ==========================================================================================
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ from __future__ import annotations
 import re
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from nbtrain.errors import InvalidPlanError
 
@@ -126,3 +139,39 @@ def check_style(name: str, module: nn.Module, style: str, tp: int) -> str:
         return f"{name} ({style}) has {size} {what}, which do not split into {tp} equal parts; use a tp that " \
                f"divides {size}"
     return ""
+
+
+class GatherSequenceInput(PrepareModuleInput):
+    """torch's ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)``
+    on a module's hidden state, whether the block passes it first by position (nbtrain's GPT: ``attn(x, doc_ids)``)
+    or by keyword ``name`` (a Hugging Face decoder layer: ``self_attn(hidden_states=...)``); the other arguments pass
+    as they are. (``PrepareModuleInput`` itself wants one layout per positional argument, so one instance cannot
+    take both calls.)
+
+        >>> GatherSequenceInput("hidden_states").input_kwarg_layouts
+        {'hidden_states': Shard(dim=1)}
+    """
+
+    def __init__(self, name: str):
+        super().__init__(input_kwarg_layouts={name: Shard(1)}, desired_input_kwarg_layouts={name: Replicate()},
+                         use_local_output=True)
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        if not inputs:
+            return inputs
+        return (self._prepare_input_arg(inputs[0], device_mesh, Shard(1), Replicate()), *inputs[1:])
+
+
+def sequence_style(role: str) -> ParallelStyle:
+    """The torch style of a sequence-parallel ``role`` (the second table of this module's docstring).
+
+        >>> sequence_style("rowwise_sequence_output")
+        RowwiseParallel(...)
+    """
+    if role == "sequence_parallel":
+        return SequenceParallel()
+    if role == "rowwise_sequence_output":
+        return RowwiseParallel(output_layouts=Shard(1))
+    if role.startswith("gather_input:"):
+        return GatherSequenceInput(role.split(":", 1)[1])
+    raise InvalidPlanError(f"sequence-parallel role {role!r} is not one nbtrain runs")

@@ -14,9 +14,10 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   (Shoeybi et al. 2019); ZeRO-2 shards gradients and optimizer state over ``dp_shard``, ZeRO-3 parameters too.
   The offloaded fraction of the optimizer state lives in host memory.
 * **Activations** (Korthikanti et al. 2022): the profiled saved bytes of a micro-batch; tensor parallelism without
-  sequence parallelism (what the executor runs) divides them by ``tp`` except the hidden-sized tensors every rank
-  holds whole (a block's norms' inputs and outputs: four hidden states); with checkpointing only the layer's input
-  is kept, whole; with ``ac=op`` (per-op selective) also the outputs of the matmuls and attention.
+  sequence parallelism divides them by ``tp`` except the hidden-sized tensors every rank holds whole (a block's
+  norms' inputs and outputs: four hidden states), with it (``sp``) all of a block's (§4.2.2: ``34sbh/t +
+  5as²b/t``); with checkpointing only the layer's input is kept, whole (under ``sp`` a block's ``1/tp`` of it);
+  with ``ac=op`` (per-op selective) also the outputs of the matmuls and attention.
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations (``ac=op``: the part
@@ -32,9 +33,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
   profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016), or for
   ``ac=op`` the other ops' recomputation (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
-* **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; the
-  same bytes as Megatron-SP's all-gathers and reduce-scatters, Korthikanti et al. 2022 §4.2.2); embeddings and
-  head one each way; measured on this machine's executor where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
+* **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; ``sp``:
+  all-gathers and reduce-scatters of the same bytes, Korthikanti et al. 2022 §4.2.2); embeddings and head one each
+  way (``sp``: an all-gather more); as measured where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
   ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005). Not overlapped.
 * **ZeRO-3** gathers each layer's parameters in forward and again in backward, every micro-batch; prefetching
   hides them under that layer's compute, so only the excess shows.
@@ -48,8 +49,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it. A CPU
   "device" shares the host's memory: no PCIe, but the update copies its new weights into the parameters (at the
   copy bandwidth), and the device's own share of the update takes the same cores' time (``Time.update``).
-* **Re-layout** between consecutive layers whose (dp, tp) layout differs: the hidden state moves once forward,
-  once backward (Galvatron-BMW's transformation cost).
+* **Re-layout** between consecutive layers whose (dp, tp, sp) layout differs: the hidden state moves once forward,
+  once backward (Galvatron-BMW's transformation cost); one all-gather over ``tp`` where only ``sp`` differs.
 * **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch; step time
   ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (GPipe, Huang et al. 2019; the same bubble for 1F1B). Once-per-step costs (the
   gradient sync, the offloaded update) are spread over the ``m`` micro-batches of their stage, which is exact
@@ -62,7 +63,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, replica_seconds, tp_seconds
+from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, gather_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reserve import reserve_parts
@@ -173,11 +174,14 @@ class CostModel:
         optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
         full_act = self._tp_activations(index, s, b)
         loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
-        if s.ac == "op":  # the input and the matmuls' and attention's outputs (selective_cost.py), and the loss's
-            act = kept_per_rank(self._eval(index, "selective_bytes", b), self._hidden(index, b), prof.kind, s.tp,
-                                full_act) + loss_saved
-        elif s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank; the loss's
-            act = (self._hidden(index, b) if index > 0 else 8 * b * self.seq_len) + loss_saved
+        split = s.sp and prof.kind == "block"  # the executor runs an sp plan's embedding and head on the whole sequence
+        if s.ac == "op":  # the input and the matmuls' and attention's outputs (selective_cost.py; sp: 1/tp of all)
+            selective = self._eval(index, "selective_bytes", b)
+            act = (selective / s.tp if split else kept_per_rank(selective, self._hidden(index, b), prof.kind, s.tp,
+                                                                 full_act)) + loss_saved
+        elif s.ac:  # keep only the layer's input (token ids for the first layer), whole on every TP rank (sp: a
+            # slice); and what the loss saves
+            act = (self._hidden(index, b) / (s.tp if split else 1) if index > 0 else 8 * b * self.seq_len) + loss_saved
         else:
             act = full_act
         # in its backward the recomputed activations are back: all (full), or what ac=op dropped; the loss's backward
@@ -193,13 +197,15 @@ class CostModel:
 
         passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward (ac=op recomputes the collectives)
         world, links = c.num_devices, self.links
-        tp_comm = tp_seconds(links, world, s, prof.kind, hidden=self._hidden(index, b),
+        hidden = self._hidden(index, b)
+        tp_comm = tp_seconds(links, world, s, prof.kind, hidden=hidden,
                              output=self._eval(index, "output_bytes", b), pairs=self._arch_list("tp_pairs", index, 2),
                              gathers_output=index in (self.profile.arch.get("tp_gathers_output") or ()),
-                             passes=passes) if s.tp > 1 else 0.0
-        if tp_comm is None:
-            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, self._hidden(index, b),
-                                                                        self._bandwidth(s.tp))
+                             passes=passes, sequence_parallel=split) if s.tp > 1 else 0.0
+        if tp_comm is None:  # 4 ring passes per block and pass: 2 all-reduces (sp: 2 all-gathers, 2 reduce-scatters)
+            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp))
+        if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
+            tp_comm += (1 if index == 0 else passes - 1) * gather_seconds(self.links, self.cluster, s.tp, hidden)
         zero3, dp_comm = self._data_parallel(index, s, p, compute, bwd)
         offload, update = self._optimizer(index, s, p, bwd)
         per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
@@ -215,14 +221,16 @@ class CostModel:
         return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act)
 
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
-        """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism as the executor
-        runs it (DTensor colwise/rowwise pairs, no sequence parallelism) splits what the heads and the MLP's inner
-        width compute; the hidden-sized tensors around them are whole on every rank: a block's two norms' inputs
-        and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh counts two dropout masks besides), a
-        head's input."""
+        """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism without ``sp``
+        splits what the heads and the MLP's inner width compute; the hidden-sized tensors around them are whole on
+        every rank: a block's two norms' inputs and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh
+        counts two dropout masks besides), a head's input. A block with ``sp`` splits those along the sequence
+        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``)."""
         full = self._eval(index, "activation_bytes", b)
         if s.tp == 1:
             return full
+        if s.sp and self.profile.layers[index].kind == "block":
+            return full / s.tp
         kept = (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b)
         whole = min(full, kept)
         return whole + (full - whole) / s.tp
@@ -290,6 +298,8 @@ class CostModel:
         if before.layout == after.layout:
             return 0.0
         nbytes = max(self._hidden(index, self.micro_batch(s, microbatches)) / s.tp for s in (before, after))
+        if before.layout[:2] == after.layout[:2]:  # sp on one side: gather the sequence forward, or its gradient back
+            return gather_seconds(self.links, self.cluster, before.tp, nbytes * before.tp)
         gather = self.links.find("all_gather", before.devices, self.cluster.num_devices)
         if gather is not None:  # measured: one gather of the hidden state forward, one of its gradient back
             return 2 * gather.seconds(nbytes * before.devices)
@@ -300,14 +310,15 @@ class CostModel:
         receiving the gradient back. pp is the outermost mesh axis: stage i runs on devices [i·D, (i+1)·D), so its
         next stage is in another node unless both sit inside one."""
         nbytes = self._eval(last_layer, "output_bytes", self.micro_batch(s, microbatches)) / s.tp
+        gather = 2 * gather_seconds(self.links, self.cluster, s.tp, nbytes * s.tp) if s.sp else 0.0  # sp: sent whole
         per_stage, node = self.cluster.num_devices // pp, self.cluster.devices_per_node
         boundary = (stage + 1) * per_stage  # first device of the next stage
         same_node = per_stage < node and boundary % node != 0
         c = self.cluster
         measured = self.links.find("p2p", 2, c.num_devices)
         if measured is not None and c.num_nodes == 1:  # measured here: the activation forward, its gradient back
-            return 2 * measured.seconds(nbytes)
-        return 2 * nbytes / (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth)
+            return 2 * measured.seconds(nbytes) + gather
+        return 2 * nbytes / (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth) + gather
 
     def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:
         return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
@@ -368,6 +379,8 @@ class CostModel:
         for i, s in enumerate(plan.layers):
             if s.tp > 1 and cannot:
                 raise InvalidPlanError(f"layer {i}: tp={s.tp}, but {cannot}; use tp=1")
+            if s.sp and arch.get("no_sequence_parallel") and self.profile.layers[i].kind == "block":
+                raise InvalidPlanError(f"layer {i}: sp, but {arch['no_sequence_parallel']}; leave out 'sp'")
             layer = self.profile.layers[i]
             problem = head_split_problem(s.tp, arch.get("n_head"), arch.get("n_kv_head")) \
                 if layer.kind == "block" else ""  # the embedding and the head split the vocabulary, not heads

@@ -13,13 +13,14 @@ Grammar (tokens are separated by whitespace, with no spaces around ``=``; keys i
     pipeline  := [pp=P] [mb=M] [schedule=1f1b|gpipe] [stages=a+b+...]
     layers    := strategy  |  range ":" strategy (";" range ":" strategy)* [";"]
     range     := span ("," span)*          span := i | i-j      (0-based, inclusive)
-    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [ac | ac=op | ac=1/k] [offload=f]
+    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [sp] [ac | ac=op | ac=1/k] [offload=f]
 
 - Omitted keys mean 1 / off / ``schedule=1f1b`` / the even stage split, except ``dp_replicate``, which takes the
   devices left over: num_devices // (pp × dp_shard × tp). So ``dp_shard=4`` on 16 devices is HSDP with
   dp_replicate=4, and ``pp=2 mb=4`` alone on 8 devices gives dp_replicate=4 on every layer.
 - ``stages`` without ``pp`` sets pp to the number of stages. ``offload`` is a fraction (``0.25``) or a percentage
-  (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding).
+  (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding). ``sp`` (sequence parallelism,
+  a flag like ``ac``) needs ``tp`` > 1: ``0: tp=2; 1-12: tp=2 sp; 13: tp=2``.
 - Checkpointing: ``ac`` recomputes the whole layer in backward (keeping its input); ``ac=op`` is per-op selective
   checkpointing (torchtitan's "op" SAC): the outputs of the matmuls and attention are kept, the rest recomputed;
   ``ac=1/k`` is full checkpointing on every k-th layer of its range (the k-th, 2k-th, ..., as torchtitan's
@@ -43,14 +44,17 @@ if TYPE_CHECKING:  # the plan module imports this one: plans are read and writte
     from nbtrain.planner.plan import Plan
 
 PIPELINE_KEYS = ("pp", "mb", "schedule", "stages")
-LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "ac", "offload")
+LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "ac", "offload")
+FLAGS = {"sp": "sequence parallelism (with tp > 1)"}
+"""Keys written alone, without a value (on when present)."""
 _EXAMPLE = {"pp": "pp=2", "mb": "mb=8", "schedule": "schedule=1f1b' or 'schedule=gpipe", "stages": "stages=12+12",
             "dp_replicate": "dp_replicate=2", "dp_shard": "dp_shard=4", "zero": "zero=2' or 'zero=3", "tp": "tp=2",
-            "ac": "ac' or 'ac=op' or 'ac=1/2", "offload": "offload=0.25"}
+            "ac": "ac' or 'ac=op' or 'ac=1/2", "sp": "tp=2 sp", "offload": "offload=0.25"}
 _HINTS = {"dp": "dp_replicate (DDP) or dp_shard (FSDP)", "ddp": "dp_replicate", "fsdp": "dp_shard",
           "hsdp": "dp_replicate and dp_shard together", "microbatches": "mb", "micro_batches": "mb",
           "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp",
-          "sac": "ac=op (per-op selective checkpointing) or ac=1/2 (every 2nd layer)"}
+          "sac": "ac=op (per-op selective checkpointing) or ac=1/2 (every 2nd layer)",
+          "sequence_parallel": "sp", "sequence_parallelism": "sp"}
 _FORM = "'pp=2 mb=8 | dp_shard=4 tp=2 ac' or '0-11: tp=2 ac; 12-23: dp_shard=2'"
 
 
@@ -181,6 +185,12 @@ def _read(tokens: list[str], allowed: tuple[str, ...], misplaced: str) -> dict:
         if key == "ac":
             out[key] = _ac(value, token) if has_value else True
             continue
+        if key in FLAGS:
+            if has_value:
+                raise InvalidPlanError(f"{token!r}: {key} is a flag; write '{key}' for {FLAGS[key]}, or "
+                                       "leave it out for none")
+            out[key] = True
+            continue
         if not value:
             raise InvalidPlanError(f"{token!r} has no value; write it as '{_EXAMPLE[key]}' (no spaces around '=')")
         out[key] = _value(key, value, token)
@@ -252,6 +262,9 @@ def _strategy(body: str, where: str, pp: int, num_devices: int) -> tuple[Strateg
     if "zero" in keys and dp_shard == 1:
         raise InvalidPlanError(f"{where}: zero is the level of sharded data parallelism and needs dp_shard > 1; "
                                "add it, e.g. 'dp_shard=8 zero=2'")
+    if keys.get("sp") and tp == 1:
+        raise InvalidPlanError(f"{where}: sp (sequence parallelism) splits the sequence over the tensor-parallel "
+                               "ranks, so it needs tp > 1; write e.g. 'tp=2 sp', or leave out 'sp'")
     if "dp_replicate" in keys:
         product = keys["dp_replicate"] * dp_shard * tp * pp
         if product != num_devices:

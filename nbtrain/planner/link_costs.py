@@ -18,10 +18,14 @@ from nbtrain.profiler.collectives import Link, Links  # noqa: F401 (Link: the do
 
 
 def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: float, output: float, pairs: int,
-               gathers_output: bool, passes: int) -> float | None:
+               gathers_output: bool, passes: int, sequence_parallel: bool = False) -> float | None:
     """What tensor parallelism adds to a layer per micro-batch: a transformer block as the measured whole block,
     another layer as ``pairs`` measured colwise → rowwise pairs; a gathered output (an LM head's logits) as an
-    all-gather of ``output`` bytes; the recomputed forward (``passes == 3``) once more."""
+    all-gather of ``output`` bytes; the recomputed forward (``passes == 3``) once more. ``sequence_parallel``: each
+    of the ``pairs`` all-reduces per pass is an all-gather and a reduce-scatter instead (Korthikanti et al. 2022,
+    §4.2.2); the measured block is the block without it, so what the split collectives cost beyond the all-reduce,
+    as measured here, is added (nothing when they were not measured: then the all-reduce's time stands in, the
+    same bytes through the same ring, a reduce-scatter then an all-gather, in one collective call instead of two)."""
     block = links.find("tp_block_forward", s.tp, world) if kind == "block" else None
     pair = links.find("tp_forward", s.tp, world)
     if block is not None:
@@ -32,7 +36,22 @@ def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: floa
         return None
     if gathers_output:
         seconds += (passes - 1) * links.seconds("all_gather", s.tp, output, world)
+    split = [links.find(op, s.tp, world) for op in ("all_gather", "reduce_scatter", "all_reduce")]
+    if sequence_parallel and all(split):
+        gather, scatter, reduce = split
+        seconds += passes * pairs * max(0.0, gather.seconds(hidden) + scatter.seconds(hidden) - reduce.seconds(hidden))
     return seconds
+
+
+def gather_seconds(links: Links, cluster, group: int, nbytes: float) -> float:
+    """One all-gather producing ``nbytes`` over ``group`` consecutive devices of ``cluster`` (the hidden state at a
+    sequence-parallel boundary): as measured here, else a ring, ``(k − 1)/k · bytes / bandwidth`` (Thakur et al.
+    2005), inside a node when the group fits in one."""
+    gather = links.find("all_gather", group, cluster.num_devices)
+    if gather is not None:
+        return gather.seconds(nbytes)
+    inside = group <= cluster.devices_per_node
+    return (group - 1) / group * nbytes / (cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth)
 
 
 def fsdp_seconds(links: Links, world: int, s: Strategy, kind: str, *, param_bytes: float) -> float | None:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nbtrain.checks import positive_int, power_of_two_divisors
 from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
@@ -143,8 +143,8 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
         raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, lean, options))
     model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
                       options=cost_options)
-    ranked += [p for p in _uniform_variants(model, ranked[0]) if p not in ranked and p.predicted.fits
-               and not executor_problem(profile, p)]
+    ranked += [p for p in _uniform_variants(model, ranked[0]) + _without_sp(model, ranked[0])
+               if p not in ranked and p.predicted.fits and not executor_problem(profile, p)]
     ranked.sort(key=lambda p: p.predicted.step_time_s)
     best = simplest_near(ranked)
     rest = tuple(p for p in ranked if p != best)[:top - 1]
@@ -164,10 +164,11 @@ NEAR = 0.02
 
 def simplicity(plan: Plan) -> tuple:
     """Smaller is simpler: fewer distinct strategies (uniform before a per-layer mix), no pipeline, no tensor
-    parallelism, no sharding (DDP before FSDP), no offload, no checkpointing."""
+    parallelism, no sharding (DDP before FSDP), no offload, no checkpointing, no sequence parallelism (chosen only
+    where it pays: it fits a plan that would not, or gains more than :data:`NEAR`)."""
     layers = plan.layers
     return (len(set(layers)), plan.pp > 1, any(s.tp > 1 for s in layers), any(s.dp_shard > 1 for s in layers),
-            any(s.offload for s in layers), any(s.ac for s in layers))
+            any(s.offload for s in layers), any(s.ac for s in layers), any(s.sp for s in layers))
 
 
 EDGE = 0.03
@@ -204,6 +205,15 @@ def _uniform_variants(model: CostModel, plan: Plan) -> list[Plan]:
             continue
         out.append(uniform.replace(predicted=model.estimate(uniform)))
     return out
+
+
+def _without_sp(model: CostModel, plan: Plan) -> list[Plan]:
+    """``plan`` with its sequence parallelism off, predicted (none when it has none): the simpler twin."""
+    if not any(s.sp for s in plan.layers):
+        return []
+    plain = plan.replace(layers=tuple(replace(s, sp=False) for s in plan.layers), predicted=None,
+                         alternatives=(), notes=())
+    return [plain.replace(predicted=model.estimate(plain))]
 
 
 def _and(items: list[str]) -> str:

@@ -36,13 +36,17 @@ def _most_common(plan: Plan, attribute: str):
 
 
 def plan_summary(plan: Plan, label: str = "recommended") -> str:
-    """One line: the main degrees, checkpointing and offload, memory against the budget, time per step."""
+    """One line: the main degrees, sequence parallelism (where used), checkpointing and offload, memory against the
+    budget, time per step."""
     n = plan.num_layers
     ac = sum(bool(s.ac) for s in plan.layers)  # full or per-op ("op") checkpointing
     offload = sum(s.offload for s in plan.layers) / n
     parts = [f"pp={plan.pp}", f"dp_replicate={_most_common(plan, 'dp_replicate')}",
              f"dp_shard={_most_common(plan, 'dp_shard')}", f"tp={_most_common(plan, 'tp')}",
              f"ac on {ac}/{n}", f"offload {offload:.0%}"]
+    sp = sum(s.sp for s in plan.layers)
+    if sp:  # shown only where used, beside tp
+        parts.insert(4, f"sp on {sp}/{n}")
     pred = plan.predicted
     if pred is not None:
         verdict = "fits" if pred.fits else "DOES NOT FIT"

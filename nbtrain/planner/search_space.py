@@ -28,6 +28,8 @@ class SearchOptions:
     allow_ac: bool = True
     zero_levels: tuple[int, ...] = (2, 3)
     max_tp: int | None = None
+    allow_sp: bool = True
+    """Offer sequence parallelism (``sp``) beside plain TP wherever tp > 1 (and the model's blocks allow it)."""
     pp_degrees: tuple[int, ...] | None = None
     """Pipeline degrees to try (default: every power of two up to the devices and the layers)."""
     microbatches: tuple[int, ...] | None = None
@@ -39,13 +41,13 @@ class SearchOptions:
 @dataclass
 class Task:
     """One sub-problem of the search: a pipeline degree, micro-batch count and schedule, and the strategies its
-    layers may take (with their (dp, tp) layouts, for the relayout costs)."""
+    layers may take (with their (dp, tp, sp) layouts, for the relayout costs)."""
 
     pp: int
     microbatches: int
     schedule: str
     space: list[Strategy]
-    layouts: list[tuple[int, int]]
+    layouts: list[tuple[int, int, bool]]
     layout_of: np.ndarray
     tables: dict = field(default_factory=dict)
 
@@ -77,6 +79,8 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
     max_tp = 1 if profile.arch.get("no_tensor_parallel") else opts.max_tp
     unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)
     traced = profile.arch.get("traced_stages")  # traced stages hold the full head count: no tp inside them
+    # sequence parallelism where the executor can run it on this model's blocks (nbtrain.models.description)
+    allow_sp = opts.allow_sp and not profile.arch.get("no_sequence_parallel")
     pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
     tasks = []
     for pp in pps:
@@ -90,9 +94,9 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
                                                max_tp=1 if pp > 1 and traced else max_tp, max_dp=batch // m,
                                                offload_levels=opts.offload_levels if pp == 1 else (0.0,),
                                                allow_ac=opts.allow_ac,
-                                               zero_levels=opts.zero_levels)
+                                               zero_levels=opts.zero_levels, allow_sp=allow_sp)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
-                     and (s.tp == 1 or not unit or unit % s.tp == 0)]
+                     and (s.tp == 1 or not unit or unit % s.tp == 0) and (not s.sp or model.seq_len % s.tp == 0)]
             # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallel.parallelize.check_plan), so
             # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
             spaces = [[s for s in space if not s.offload]]

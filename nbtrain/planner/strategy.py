@@ -2,7 +2,7 @@
 of strategies the search walks; a whole model's plan is :class:`nbtrain.planner.plan.Plan`.
 
     >>> Strategy(dp_shard=4, tp=2, ac=True)
-    Strategy(dp_replicate=1, dp_shard=4, zero=3, tp=2, ac=True, offload=0.0)
+    Strategy(dp_replicate=1, dp_shard=4, zero=3, tp=2, ac=True, offload=0.0, sp=False)
     >>> even_split(26, 2)
     (13, 13)
 
@@ -47,11 +47,13 @@ class Strategy:
     """One layer's choice of parallelism, in the ecosystem's names (torchtitan's mesh axes).
 
         >>> Strategy(dp_shard=4, zero=2, tp=2, ac=True, offload=0.25)
-        Strategy(dp_replicate=1, dp_shard=4, zero=2, tp=2, ac=True, offload=0.25)
+        Strategy(dp_replicate=1, dp_shard=4, zero=2, tp=2, ac=True, offload=0.25, sp=False)
         >>> str(Strategy(dp_replicate=2, dp_shard=4, offload=0.25)), Strategy(dp_shard=1, zero=2).zero
         ('dp_replicate=2 dp_shard=4 offload=0.25', 3)
         >>> str(Strategy(dp_shard=2, ac="op")), Strategy(ac="full").ac
         ('dp_shard=2 ac=op', True)
+        >>> str(Strategy(tp=2, sp=True)), Strategy(tp=2, sp=True).layout
+        ('tp=2 sp', (1, 2, True))
     """
 
     dp_replicate: int = 1
@@ -63,14 +65,18 @@ class Strategy:
     parameters gathered between forward and backward (FSDP ``reshard_after_forward=False``); 3 also reshards the
     parameters after forward (one more all-gather in backward, less memory). Normalised to 3 when ``dp_shard == 1``."""
     tp: int = 1
-    """Tensor-parallel degree, Megatron-style (column- then row-parallel pairs, no sequence parallelism); it stays
-    inside a node."""
+    """Tensor-parallel degree, Megatron-style (column- then row-parallel pairs); it stays inside a node."""
     ac: bool | str = False
     """Activation checkpointing: ``False`` (none), ``True`` (full: keep only the layer input, recompute the whole
     forward in backward) or ``"op"`` (per-op selective, torchtitan's "op" SAC: keep the input and the outputs of the
     matmuls and attention, recompute the rest). ``if s.ac:`` means some checkpointing."""
     offload: float = 0.0
     """Fraction (0..1) of this layer's optimizer update done on the CPU, kept to 0.001 (see ``__post_init__``)."""
+    sp: bool = False
+    """Sequence parallelism with the TP (Korthikanti et al. 2022, §4.2.2): what runs token by token (norms, the
+    residual adds) runs on ``1/tp`` of the sequence, all-gathers and reduce-scatters replace the all-reduces, and the
+    hidden state this layer takes and hands on is split along the sequence over the ``tp`` ranks. Needs ``tp > 1``.
+    (Last, so positional construction in the order above still works.)"""
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp"):
@@ -96,6 +102,12 @@ class Strategy:
         object.__setattr__(self, "zero", int(self.zero) if self.dp_shard > 1 else 3)  # no sharding: no level
         object.__setattr__(self, "ac", AC_MODES.get(self.ac, bool(self.ac)) if isinstance(self.ac, str) else
                            bool(self.ac))
+        if self.sp not in (True, False):
+            raise InvalidPlanError(f"sp={self.sp!r} is not valid: sequence parallelism is True or False")
+        if self.sp and self.tp == 1:
+            raise InvalidPlanError("sp (sequence parallelism) splits the sequence over the tensor-parallel ranks, "
+                                   "so it needs tp > 1: write e.g. 'tp=2 sp', or leave out 'sp'")
+        object.__setattr__(self, "sp", bool(self.sp))
 
     @property
     def devices(self) -> int:
@@ -108,28 +120,35 @@ class Strategy:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def layout(self) -> tuple[int, int]:
-        """(dp, tp): when two consecutive layers differ in it, activations are re-laid-out between them."""
-        return (self.dp, self.tp)
+    def layout(self) -> tuple[int, int, bool]:
+        """(dp, tp, sp): how the hidden state this layer takes and hands on is split (batch over dp, the sequence
+        over tp when sp); when two consecutive layers differ in it, the hidden state is re-laid-out between them."""
+        return (self.dp, self.tp, self.sp)
 
     def __str__(self) -> str:
         parts = [f"dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []
         parts += [f"dp_shard={self.dp_shard}"] if self.dp_shard > 1 else []
         parts += ["zero=2"] if self.zero == 2 else []
         parts += [f"tp={self.tp}"] if self.tp > 1 else []
+        parts += ["sp"] if self.sp else []
         parts += ["ac=op"] if self.ac == "op" else ["ac"] if self.ac else []
         parts += [f"offload={format_fraction(self.offload)}"] if self.offload else []
         return " ".join(parts) or "dp_replicate=1"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict; ``sp`` only when on, so a plan file without sequence parallelism reads the same in
+        an nbtrain that predates it."""
+        d = dataclasses.asdict(self)
+        if not self.sp:
+            del d["sp"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Strategy:
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise InvalidPlanError(f"unknown strategy field(s) {', '.join(unknown)} in {d!r}; the fields are "
-                                   "dp_replicate, dp_shard, zero, tp, ac, offload")
+                                   "dp_replicate, dp_shard, zero, tp, ac, offload, sp")
         return cls(**d)
 
 
@@ -157,17 +176,18 @@ def head_split_problem(tp: int, n_head: int | None, n_kv_head: int | None = None
 
 
 def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = None, max_dp: int | None = None,
-                   offload_levels=(0.0,), allow_ac: bool = True, zero_levels=(2, 3)) -> list[Strategy]:
+                   offload_levels=(0.0,), allow_ac: bool = True, zero_levels=(2, 3),
+                   allow_sp: bool = True) -> list[Strategy]:
     """Every strategy one layer may take on ``devices`` devices (one pipeline stage), pruned as Galvatron does:
     power-of-two degrees, dp_replicate × dp_shard × tp == devices, tp inside a node (≤ devices_per_node) and
     ≤ max_tp, dp ≤ max_dp (the micro-batch size: each data-parallel rank needs at least one sequence), a ZeRO
-    level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers);
-    checkpointing none, per-op selective (``ac=op``) or full. Ordered by tp, dp_shard, zero, ac (none, op, full),
-    offload, each ascending. Empty when the
-    caps leave nothing (e.g. 16 devices, 8 per node, max_dp=1).
+    level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers),
+    sequence parallelism off and on wherever tp > 1 (``allow_sp``), checkpointing none, per-op selective (``ac=op``)
+    or full. Ordered by tp, dp_shard, zero, sp, ac (none, op, full), offload, each ascending. Empty when the caps
+    leave nothing (e.g. 16 devices, 8 per node, max_dp=1).
 
         >>> [str(s) for s in strategy_space(2, devices_per_node=8, allow_ac=False)]
-        ['dp_replicate=2', 'dp_shard=2 zero=2', 'dp_shard=2', 'tp=2']
+        ['dp_replicate=2', 'dp_shard=2 zero=2', 'dp_shard=2', 'tp=2', 'tp=2 sp']
     """
     devices = plan_int(devices, "devices", "a stage needs at least one device")
     if not is_power_of_two(devices):
@@ -189,9 +209,10 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
             continue
         for dp_shard in (p for p in powers if p <= dp):
             for zero in zero_levels if dp_shard > 1 else (3,):
-                for ac in AC_CHOICES if allow_ac else (False,):
-                    for offload in sorted(set(offload_levels)) if tp == 1 else (0.0,):
-                        s = Strategy(dp // dp_shard, dp_shard, zero, tp, ac, offload)
-                        if not out or out[-1] != s:  # two levels may be equal once rounded to 0.001
-                            out.append(s)
+                for sp in (False, True) if tp > 1 and allow_sp else (False,):
+                    for ac in AC_CHOICES if allow_ac else (False,):
+                        for offload in sorted(set(offload_levels)) if tp == 1 else (0.0,):
+                            s = Strategy(dp // dp_shard, dp_shard, zero, tp, ac, offload, sp)
+                            if not out or out[-1] != s:  # two levels may be equal once rounded to 0.001
+                                out.append(s)
     return out

@@ -176,7 +176,7 @@ class SwitchingCostModel:
         self.space: list[Strategy] = [
             s for s in strategy_space(cluster.num_devices, devices_per_node=cluster.devices_per_node,
                                       max_tp=1 if self.no_tp else options.max_tp, allow_ac=options.allow_ac,
-                                      zero_levels=options.zero_levels)
+                                      zero_levels=options.zero_levels, allow_sp=False)  # hot switching: no sp yet
             if s.tp == 1 or ((not heads or heads % s.tp == 0) and (not unit or unit % s.tp == 0))]
         kinds = layer_kinds(profile)  # layers of one kind cost the same under every strategy
         self.kinds = [(kinds.index(k), kinds.count(k)) for k in sorted(set(kinds))]  # (representative, count)

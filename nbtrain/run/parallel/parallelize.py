@@ -13,6 +13,13 @@ hybrid mode over the 2-D ``(dp_replicate, dp_shard)`` mesh: replicated across ``
 instead: the same arithmetic, bucketed all-reduces overlapped with backward, plain tensors for a fused optimizer,
 and none of FSDP2's per-layer bookkeeping (bench/executor.py: FSDP2 with shard size 1 took 1.4x DDP's step).
 
+A layer with ``sp`` runs Megatron-SP (Korthikanti et al. 2022, §4.2.2) with torch's styles, as torchtitan's
+``apply_tp`` combines them: its norms under ``SequenceParallel()``, the attention's and the MLP's hidden state
+gathered by ``PrepareModuleInput(Shard(1) → Replicate())``, the row-wise projections reduce-scattered
+(``output_layouts=Shard(1)``), so between two ``sp`` blocks the hidden state stays split along the sequence. The
+embedding hands on, the head takes, and a pipeline stage sends the whole sequence; the re-layout hooks
+(:mod:`nbtrain.run.parallel.relayout`) slice and gather it at those boundaries and beside non-``sp`` layers.
+
 ZeRO levels map to ``reshard_after_forward``: ZeRO-3 frees the gathered parameters after forward and gathers
 again in backward; ZeRO-2 keeps them until backward (Zhao et al. 2023, PyTorch FSDP, §3.2).
 """
@@ -33,14 +40,14 @@ from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
                                         slot_module)
 from nbtrain.models.stages import stage_layers
-from nbtrain.models.tensor_parallel import style_for
+from nbtrain.models.tensor_parallel import sequence_style, style_for
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.selective import SAVED_OPS
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import place_module
 from nbtrain.run.state.materialize import FromModel, Initialize, materialize
-from nbtrain.run.parallel.relayout import add_relayout
+from nbtrain.run.parallel.relayout import add_relayout, whole
 from nbtrain.run.parallel.traced_stages import traced_stage, write_back
 
 
@@ -97,10 +104,15 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         s: Strategy = plan.layers[i]
         slots = layers[i]
         mesh = meshes.for_strategy(s)
+        split_sequence = s.sp and 0 < i < last  # a block with sp (the embedding and the head run on it whole)
         if s.tp > 1:
             for name, style in description.tensor_parallel[i]:
                 module = model.get_submodule(name)
-                parallelize_module(module, mesh["tp"], style_for(module, style))
+                parallelize_module(module, mesh["tp"], sequence_style("rowwise_sequence_output")
+                                   if split_sequence and style == "rowwise" else style_for(module, style))
+            for name, role in description.sequence_parallel[i] if split_sequence else ():
+                if role != "rowwise_sequence_output":
+                    parallelize_module(model.get_submodule(name), mesh["tp"], sequence_style(role))
             description.local_heads(i, s.tp)
             if together and i == last:  # TP gave the head a DTensor of its own: the embedding's, laid out alike
                 retie(ties, to="first")
@@ -113,9 +125,15 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             group = [slot_module(p, a) for p, a in layers[0] + slots]
             fully_shard(group, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
                         mp_policy=policy)
-        if i > 0 and plan.layers[i - 1].layout != s.layout:  # at a stage's start too: it receives i − 1's layout
-            parent, attr = slots[0]
-            add_relayout(slot_module(parent, attr), plan.layers[i - 1].layout, s.layout, meshes.stage_group)
+        if i > 0:  # the hidden state as it arrives (what layer i − 1 hands on: whole from the embedding or from the
+            # previous stage) and as this layer runs on it (whole for the head)
+            arrives = plan.layers[i - 1].layout if i > start and i > 1 else whole(plan.layers[i - 1].layout)
+            runs = whole(s.layout) if i == last else s.layout
+            if arrives != runs:
+                add_relayout(slot_module(*slots[0]), arrives, runs, meshes.stage_group, mesh["tp"])
+        if split_sequence and i == end - 1:  # a stage's last layer sends the next stage the whole sequence
+            add_relayout(slot_module(*slots[-1]), s.layout, whole(s.layout), meshes.stage_group, mesh["tp"],
+                         output=True)
     if traced is not None:  # the stage's parameters, sharded, become the model's (tied copies under both names)
         stray = {p for p in traced.module.parameters()} - {p for i in range(start, end) for parent, attr in layers[i]
                                                              for p in slot_module(parent, attr).parameters()}
@@ -265,6 +283,10 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
         if problem:
             raise InvalidPlanError(f"{where} asks for tp={s.tp}, but {problem}; use tp=1 there "
                                    "(nbtrain.plan offers tensor parallelism only where it can split the layer)")
+        problem = d.sequence_parallel_problem(i) if s.sp else ""
+        if problem:
+            raise InvalidPlanError(f"{where} asks for sp, but {problem}; leave out 'sp' there (tp={s.tp} without it "
+                                   "runs; nbtrain.plan offers sp only where it can run it)")
     if d.ties:
         first, last = plan.layers[0], plan.layers[-1]
         if not d.splits_tied:
