@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
+from nbtrain.profiler.kernels import KernelCounter
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor
 
@@ -112,17 +113,19 @@ def count(step: Step, b: int, s: int) -> Counts:
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
-        flops, saved = FlopObserver(), SavedBytes(params.values())
+        flops, saved, kernels = FlopObserver(), SavedBytes(params.values()), KernelCounter()
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(note_module))
         stack.enter_context(flops.counter)
+        stack.enter_context(kernels)  # inside the FLOP counter: it sees the ops as they are dispatched
         stack.enter_context(saved.hooks())
-        tracker, out = _run(step, [flops, saved, SegmentOfModule()], b, s, "cpu", {**params, **buffers})
+        tracker, out = _run(step, [flops, saved, kernels, SegmentOfModule()], b, s, "cpu", {**params, **buffers})
     n = step.num_segments
     values = {
         "flops_fwd": {i: int(flops.fwd[i]) for i in range(n)},
         "flops_bwd": {i: int(flops.bwd[i]) for i in range(n)},
         "activation_bytes": {i: saved.per_segment[i] for i in range(n)},
         "output_bytes": _output_bytes(tracker, out, n),
+        **kernels.finish(n),
     }
     return Counts(values, module_segment)
 
