@@ -37,7 +37,8 @@ class Measurement:
     """One measured rate of this machine, with how it was measured."""
 
     name: str
-    """What was measured: ``"matmul"``, ``"memory"`` (a GPU's own), ``"copy"``, ``"cpu_adamw"`` or ``"allreduce"``."""
+    """What was measured: ``"matmul"``, ``"memory"`` (a GPU's own), ``"copy"``, ``"cpu_adamw"`` or
+    ``"allreduce"``."""
     value: float
     """The measured rate, in ``unit``."""
     unit: str
@@ -296,8 +297,9 @@ def calibrate(device: str = "cpu", allreduce: bool = False) -> list[Measurement]
     """Run the benchmarks that describe ``device`` (``"cpu"`` or ``"cuda"``): ``calibrate("cpu")``.
 
     On CPU each core is one nbtrain "device" whose worker runs one thread, so compute, copy and AdamW are measured
-    on one thread. On CUDA the matmul, the device memory's bandwidth and the copy run on GPU 0, AdamW on all the host threads torch uses (the node's
-    update rate), and the all-reduce uses NCCL across the node's GPUs (skipped with fewer than two).
+    on one thread. On CUDA the matmul, the device memory's bandwidth and the copy run on GPU 0, AdamW on all the
+    host threads torch uses (the node's update rate), and the all-reduce uses NCCL across the node's GPUs (skipped
+    with fewer than two).
     """
     dev = torch.device(device)
     if dev.type == "cpu":

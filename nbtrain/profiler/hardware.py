@@ -332,6 +332,18 @@ class Cluster:
             ("CPU optimizer", f"{format_rate(self.cpu_optimizer_rate, ' params/s')} per node (AdamW)"),
         ):
             table.add(key, value)
+        if self.memory_bandwidth:  # what compute_time prices a GPU's kernels by
+            attention = self.attention_efficiency or self.flops_efficiency
+            for key, value in (
+                ("device memory", f"{format_rate(self.memory_bandwidth, 'B/s')} "
+                                  f"({self.memory_efficiency:.0%} streaming)"),
+                ("attention kernels", f"{format_rate(self.peak_flops * attention, 'FLOP/s')} "
+                                      f"({attention:.0%} of peak)"),
+                ("latency floors", f"{self.kernel_latency_s * 1e6:.0f} µs a kernel, "
+                                   f"{self.collective_latency_s * 1e6:.0f} µs a collective in a node, "
+                                   f"{self.inter_node_latency_s * 1e6:.0f} µs across"),
+            ):
+                table.add(key, value)
         return table
 
     def __str__(self) -> str:
