@@ -2,10 +2,12 @@
 
     >>> from nbtrain.planner.compute_time import Work, seconds
     >>> h100 = Cluster.from_catalog("H100")
-    >>> seconds(Work(matmul_flops=2 * 8192**3, matmul_bytes=3 * 2 * 8192**2, kernels=1), h100)  # one big matmul
-    0.00139...                                          # 1.1 TFLOP at 794.5 TFLOP/s: the achievable rate
-    >>> seconds(Work(matmul_flops=2 * 64**3, matmul_bytes=3 * 2 * 64**2, kernels=1), h100)       # a tiny one
-    5e-06                                               # the launch floor
+    >>> big = Work(matmul_flops=2 * 8192**3, matmul_bytes=3 * 2 * 8192**2, kernels=1)  # 1.1 TFLOP, 403 MB
+    >>> round(seconds(big, h100) * 1e3, 3)              # ms: at the achievable 794.5 TFLOP/s
+    1.384
+    >>> tiny = Work(matmul_flops=2 * 64**3, matmul_bytes=3 * 2 * 64**2, kernels=1)
+    >>> round(seconds(tiny, h100) * 1e6, 1)             # µs: the launch floor
+    5.0
 
 A layer's forward (or backward) is priced as its kernels run (Williams et al. 2009's roofline, per class):
 

@@ -1,10 +1,14 @@
 """Count a training step by kernel: matmul FLOPs and bytes, attention FLOPs, the bytes of every other (memory-bound)
 op, and the number of kernels, per segment and direction, on the fake-tensor step the profiler already runs.
 
-    >>> counter = KernelCounter()
-    >>> with FakeTensorMode(), counter:            # trace.count() enters it beside the FLOP counter
-    ...     ...                                    # run the step; the SegmentTracker calls counter.switch()
-    >>> counter.values["matmul_flops_fwd"][1]     # block 0's forward matmul FLOPs
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> counter = KernelCounter()                  # trace.count() runs the step so, switching segments
+    >>> with FakeTensorMode(), counter:
+    ...     x = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    ...     y = torch.nn.functional.gelu(x @ x)
+    >>> counts = counter.finish(1)
+    >>> counts["matmul_flops_fwd"][0] == 2 * 4096**3, counts["memory_bytes_fwd"][0], counts["kernels_fwd"][0]
+    (True, 67108864, 2)
 
 Why by kernel: a GPU runs a matmul at up to its tensor-core rate, an attention kernel at a fraction of it, a norm or
 an activation at its memory bandwidth, and no kernel in less than its launch time. The planner prices each class at
