@@ -16,11 +16,13 @@ import dataclasses
 import pytest
 import torch
 
+from nbtrain.errors import InvalidArgumentError
 from nbtrain.models.gpt import GPT, GPTConfig
 from nbtrain.planner.compute_time import Work, seconds
 from nbtrain.planner.cost import estimate
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.recommend import plan as recommend
+from nbtrain.profiler.calibrate import Measurement, memory_bandwidth
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.model import profile
 from nbtrain.profiler.result import KERNEL_QUANTITIES, ModelProfile
@@ -126,3 +128,15 @@ def test_on_the_cpu_the_kernel_counts_change_nothing(tiny, measured):
         prof = dataclasses.replace(tiny, layers=layers, measured_on="cpu")
     plan = Plan.parse("dp_replicate=2", num_devices=2, num_layers=len(prof.layers), global_batch=4, seq_len=64)
     assert estimate(plan, prof, cpu) == estimate(plan, _without_kernel_counts(prof), cpu)
+
+
+def test_a_measured_gpu_memory_bandwidth_sets_the_streaming_fraction_of_the_datasheet():
+    measured = Measurement("memory", 3.0e12, "B/s", 0.1, "1 GiB device → device copy")
+    calibrated = h100().with_measurements([measured])
+    assert calibrated.memory_bandwidth == 3.35e12  # the datasheet's stays
+    assert calibrated.memory_efficiency == pytest.approx(3.0 / 3.35)
+
+
+def test_the_memory_bandwidth_benchmark_is_for_gpus_only():
+    with pytest.raises(InvalidArgumentError, match="a GPU's memory"):
+        memory_bandwidth("cpu")
