@@ -1,6 +1,6 @@
 """nbtrain's predictions beside published, measured training runs of the same configurations (issue 28).
 
-    PYTHONPATH=. python bench/published.py        # ~1-2 min on 2 cores (profiling four model shapes on meta)
+    PYTHONPATH=. python bench/published.py        # ~30 s on 2 cores (profiling four model shapes on meta)
 
 Each row is a run torchtitan's team published: the model shape (nbtrain's own GPT with the published dimensions,
 built on the meta device), the GPUs, the parallel degrees, the batch, the sequence length and the activation
