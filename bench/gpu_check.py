@@ -13,7 +13,9 @@ Needs only torch, accelerate and transformers: no notebook package.
 
 1. **Environment**: torch, transformers, accelerate, CUDA, the devices, NCCL, the date.
 2. **Calibration**: ``nbtrain.Cluster.detect()`` (CUDA: GPU 0's bf16 matmul rate, pinned host↔device copy, the
-   slower way, CPU AdamW on every host thread) beside the datasheet figures of ``Cluster.detect(calibrate=False)``.
+   slower way, CPU AdamW on every host thread) beside the datasheet figures of ``Cluster.detect(calibrate=False)``;
+   on CUDA, GPU 0's memory streaming a 1 GiB copy (``calibrate.memory_bandwidth``) beside the catalog's
+   HBM bandwidth × its streaming fraction (SKIPPED with ``--device cpu``).
 3. **fit on one device**: ``nbtrain.fit(num_processes=1, cluster=<part 2's>)`` of a transformers ``LlamaForCausalLM``
    of 1.06 B parameters (hidden 2048, FFN 5632, 18 layers, 16 heads, vocab 32000: 16 GiB of fp32 AdamW state),
    4 × 1024 tokens a step, 4 steps, under ``dp_replicate=1`` (no parallelism), ``ac``, bf16, ``offload=1`` and
@@ -75,6 +77,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 import torch  # noqa: E402
 
 import nbtrain  # noqa: E402
+from nbtrain.profiler.calibrate import memory_bandwidth  # noqa: E402
 from nbtrain.profiler.catalog import local_gpus  # noqa: E402
 from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.run.offload.optimizer import OffloadedAdamW  # noqa: E402
@@ -224,6 +227,13 @@ def calibration(setup: Setup) -> list[Row]:
         note = f" (peak {format_rate(catalog.peak_flops, unit)})" if unit == "FLOP/s" else ""
         rows.append(Row("2", what, format_rate(got, unit), f"catalog {format_rate(sheet, unit)}{note}",
                         f"{got / sheet:.2f}"))
+    if setup.device != "cuda":  # the CPU "device" has no memory of its own to stream: it is timed by layer
+        return rows + [Row("2", "device memory, streaming copy", status="SKIPPED: --device cpu has no GPU memory")]
+    got = memory_bandwidth(setup.device)  # what compute_time prices memory-bound kernels by
+    sheet = catalog.memory_bandwidth * catalog.memory_efficiency
+    rows.append(Row("2", "device memory, streaming copy", format_rate(got.value, "B/s"),
+                    f"catalog {format_rate(sheet, 'B/s')} (datasheet {format_rate(catalog.memory_bandwidth, 'B/s')})",
+                    f"{got.value / sheet:.2f}" if sheet else ""))
     return rows
 
 

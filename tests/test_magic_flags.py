@@ -398,7 +398,9 @@ def test_launch_trains_for_steps_with_the_seed_and_learning_rate_given(shell):
     _, other_lr = _launch(shell, "--steps 2 --seed 1 --lr 1e-4")
     assert len(first.losses) == 2 and first.plan.num_devices == 2
     assert first.losses == pytest.approx(again.losses, rel=1e-6)
-    assert first.losses[0] != pytest.approx(other_seed.losses[0], rel=1e-4)  # other batches from step 1
+    # other batches from step 1; at initialisation every batch's loss is near ln(256), so two seeds' first losses
+    # can be 6e-5 apart (5.59358 and 5.59323 under dp_replicate=2): told apart at the 1e-6 the same seed repeats to
+    assert first.losses[0] != pytest.approx(other_seed.losses[0], rel=1e-6)
     assert first.losses[0] == pytest.approx(other_lr.losses[0], rel=1e-6)  # same start ...
     assert first.losses[1] != pytest.approx(other_lr.losses[1], rel=1e-4)  # ... another first update
 

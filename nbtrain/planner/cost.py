@@ -29,14 +29,16 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
   GPUs needs its ~1 GiB per device as much as a 7 B one does. The budget (``--memory``) is the device's whole memory: the reserve comes out of it
   first, and a budget below the reserve fits nothing. None on the CPU, where a worker is an ordinary process.
-* **Compute**: profiled FLOPs / sustained FLOP/s, or, when the profile was measured on this machine's device and
-  the cluster is this machine, each layer's measured time scaled by FLOPs to the micro-batch (Galvatron-BMW
-  profiles compute so; ``CostOptions.measured_compute``); checkpointing adds one forward (Chen et al. 2016), or for
-  ``ac=op`` the other ops' recomputation (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
+* **Compute**: on a GPU, each kernel class at its own rate, no layer faster than its kernels' launches
+  (:mod:`nbtrain.planner.compute_time`); else (a CPU, an old profile) FLOPs / sustained FLOP/s; or, when the
+  profile was measured on this machine's device and the cluster is this machine, each layer's measured time scaled
+  by FLOPs to the micro-batch (Galvatron-BMW profiles compute so; ``CostOptions.measured_compute``);
+  checkpointing adds one forward (Chen et al. 2016), or for ``ac=op`` the other ops' recomputation
+  (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
 * **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; ``sp``:
   all-gathers and reduce-scatters of the same bytes, Korthikanti et al. 2022 §4.2.2); embeddings and head one each
   way (``sp``: an all-gather more); as measured where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
-  ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005). Not overlapped.
+  ``(k − 1)/k · bytes / bandwidth`` (Thakur et al. 2005) plus NCCL's small-message latency. Not overlapped.
 * **ZeRO-3** gathers each layer's parameters in forward and again in backward, every micro-batch; prefetching
   hides them under that layer's compute, so only the excess shows.
 * **Data-parallel gradient sync**, once per step, in fp32: all-reduce ``2(k − 1)/k · bytes / bw`` (DDP), or
@@ -59,10 +61,11 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
+from nbtrain.planner.cost_options import CostOptions
+from nbtrain.planner.compute_time import layer_work, priced, seconds
 from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, gather_seconds, replica_seconds, tp_seconds
 from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
@@ -77,39 +80,9 @@ GiB = 2**30
 MiB = 2**20
 CLIP_PASSES = 3  # clipping by the global norm reads every gradient for the norm, then reads and writes it to scale
 
-@dataclass(frozen=True)
-class CostOptions:
-    """Knobs of the cost model; the defaults are what nbtrain's executor does."""
-
-    reserve_bytes: int | None = None
-    """Memory per device the model cannot use; ``None``: the CUDA context (512 MiB) and, on more than one device,
-    NCCL's buffers (512 MiB) on a GPU, none on the CPU (:func:`reserve_parts`, which cites the figures)."""
-    headroom: float | None = None
-    """Fraction of each device's memory kept free for the caching allocator's fragmentation, on top of the
-    reserve; ``None``: 10% on a GPU, none on the CPU (:data:`nbtrain.planner.reserve.HEADROOM`, which cites its reasons)."""
-    overlap_slowdown: float = 1.3
-    """Slowdown of a collective overlapped with compute (Galvatron-BMW's measured coefficient)."""
-    offload_overlap: bool = True
-    """CoTrain's schedule (update overlapped with backward) or ZeRO-Offload's (after backward)."""
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element in the data-parallel reduction (fp32, as the executor reduces)."""
-    clip: bool = True
-    """The step clips gradients by their global norm (``fit``'s default ``clip_norm=1.0``): on a CPU "device",
-    three passes over the gradients at its copy rate."""
-    measured_compute: bool = True
-    """Use the profile's measured forward and backward times, when it was measured on this machine's kind of
-    device and the cluster is this machine (detected, not from the catalog): Galvatron-BMW profiles compute time
-    the same way. Otherwise (or ``False``) compute is FLOPs over the sustained rate."""
-
-    def __post_init__(self):
-        if self.headroom is not None and not (isinstance(self.headroom, (int, float)) and 0 <= self.headroom < 1):
-            raise InvalidPlanError(f"headroom={self.headroom!r}: the allocator headroom is the fraction of each "
-                                   "device's memory kept free, from 0 (none) to below 1, e.g. 0.1 for 10%")
-
-
-def _ring(k: int, nbytes: float, bandwidth: float) -> float:
-    """One all-gather or reduce-scatter over a ring of ``k`` devices (Thakur et al. 2005)."""
-    return 0.0 if k <= 1 else (k - 1) / k * nbytes / bandwidth
+def _ring(k: int, nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
+    """One all-gather or reduce-scatter over a ring of ``k`` devices (Thakur et al. 2005), plus ``latency``."""
+    return 0.0 if k <= 1 else latency + (k - 1) / k * nbytes / bandwidth
 
 
 class CostModel:
@@ -159,6 +132,10 @@ class CostModel:
         c = self.cluster
         return c.intra_node_bandwidth if span <= c.devices_per_node else c.inter_node_bandwidth
 
+    def _latency(self, span: int) -> float:  # a collective's floor over ``span`` consecutive devices (0 on a CPU)
+        c = self.cluster
+        return c.collective_latency_s if span <= c.devices_per_node else c.inter_node_latency_s
+
     def micro_batch(self, strategy: Strategy, microbatches: int) -> float:
         """Sequences per device per micro-batch."""
         return self.global_batch / (microbatches * strategy.dp)
@@ -203,7 +180,8 @@ class CostModel:
                              gathers_output=index in (self.profile.arch.get("tp_gathers_output") or ()),
                              passes=passes, sequence_parallel=split) if s.tp > 1 else 0.0
         if tp_comm is None:  # 4 ring passes per block and pass: 2 all-reduces (sp: 2 all-gathers, 2 reduce-scatters)
-            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp))
+            tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp),
+                                                                          self._latency(s.tp))
         if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
             tp_comm += (1 if index == 0 else passes - 1) * gather_seconds(self.links, self.cluster, s.tp, hidden)
         zero3, dp_comm = self._data_parallel(index, s, p, compute, bwd)
@@ -237,8 +215,8 @@ class CostModel:
 
     def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
         """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time
-        scaled by FLOPs (or tokens) to the shape when measured here, else FLOPs over the sustained rate; slowed by
-        the processes that share the cores and memory."""
+        scaled by FLOPs (or tokens) to the shape when measured here, else by kernel on a GPU, else FLOPs over the
+        sustained rate; slowed by the processes that share the cores and memory."""
         prof, c = self.profile.layers[index], self.cluster
         flops_fwd = self._eval(index, "flops_fwd", b) / s.tp
         flops_bwd = self._eval(index, "flops_bwd", b) / s.tp
@@ -246,6 +224,8 @@ class CostModel:
             tokens = b * self.seq_len / (self.profile.batch_size * self.profile.seq_len) / s.tp
             fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
             bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
+        elif priced(c) and (work := layer_work(prof, b, self.seq_len)):  # a GPU, kernels counted: by kernel
+            fwd, bwd = (seconds(w.split(s.tp), c) for w in work)
         else:
             fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
         return fwd * self.slowdown, bwd * self.slowdown
@@ -258,17 +238,17 @@ class CostModel:
         zero3 = fsdp_seconds(self.links, world, s, self.profile.layers[index].kind, param_bytes=p * e)
         sync = 0.0
         if zero3 is None:
-            shard_bw = self._bandwidth(shard * s.tp)
-            gathers = 2 * _ring(shard, p * e, shard_bw) * opt.overlap_slowdown if s.zero == 3 else 0.0
+            shard_bw, shard_lat = self._bandwidth(shard * s.tp), self._latency(shard * s.tp)
+            gathers = 2 * _ring(shard, p * e, shard_bw, shard_lat) * opt.overlap_slowdown if s.zero == 3 else 0.0
             zero3 = max(0.0, gathers - compute)
-            sync = _ring(shard, grad_bytes, shard_bw)  # reduce-scatter (all-reduce = reduce-scatter + all-gather)
+            sync = _ring(shard, grad_bytes, shard_bw, shard_lat)  # reduce-scatter (all-reduce = RS + all-gather)
             if shard > 1 and s.zero == 2:
-                sync += _ring(shard, p * e, shard_bw)  # gather the updated shard
+                sync += _ring(shard, p * e, shard_bw, shard_lat)  # gather the updated shard
         replicas = replica_seconds(self.links, world, s, grad_bytes=grad_bytes,
                                    model_grad_bytes=self._grad_bytes(s.tp))
         if replicas is not None:
             return zero3, sync + replicas
-        sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(s.devices))
+        sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(s.devices), self._latency(s.devices))
         return zero3, max(0.0, sync * opt.overlap_slowdown - bwd)
 
     def _optimizer(self, index: int, s: Strategy, p: float, bwd: float) -> tuple[float, float]:
@@ -303,7 +283,7 @@ class CostModel:
         gather = self.links.find("all_gather", before.devices, self.cluster.num_devices)
         if gather is not None:  # measured: one gather of the hidden state forward, one of its gradient back
             return 2 * gather.seconds(nbytes * before.devices)
-        return 2 * nbytes / self._bandwidth(before.devices)
+        return 2 * (nbytes / self._bandwidth(before.devices) + self._latency(before.devices))
 
     def p2p(self, last_layer: int, s: Strategy, microbatches: int, pp: int, stage: int) -> float:
         """Seconds per micro-batch that ``stage`` (ending at ``last_layer``) spends sending its output forward and
@@ -318,7 +298,8 @@ class CostModel:
         measured = self.links.find("p2p", 2, c.num_devices)
         if measured is not None and c.num_nodes == 1:  # measured here: the activation forward, its gradient back
             return 2 * measured.seconds(nbytes) + gather
-        return 2 * nbytes / (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth) + gather
+        return 2 * (nbytes / c.intra_node_bandwidth + c.collective_latency_s if same_node else
+                    nbytes / c.inter_node_bandwidth + c.inter_node_latency_s) + gather
 
     def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:
         return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)

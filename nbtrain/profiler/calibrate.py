@@ -37,7 +37,8 @@ class Measurement:
     """One measured rate of this machine, with how it was measured."""
 
     name: str
-    """What was measured: ``"matmul"``, ``"copy"``, ``"cpu_adamw"`` or ``"allreduce"``."""
+    """What was measured: ``"matmul"``, ``"memory"`` (a GPU's own), ``"copy"``, ``"cpu_adamw"`` or
+    ``"allreduce"``."""
     value: float
     """The measured rate, in ``unit``."""
     unit: str
@@ -275,12 +276,30 @@ def allreduce_bandwidth(world_size: int = 2, nbytes: int = 16 * 2**20, backend: 
                        f"median of {repeats}")
 
 
+def memory_bandwidth(device: str = "cuda", nbytes: int = 2**30, *, repeats: int = 5) -> Measurement:
+    """Bytes/s a GPU's own memory streams at: one device-to-device copy of ``nbytes``, read plus written
+    (``memory_bandwidth("cuda")``: ~0.9 of the datasheet's HBM bandwidth on an H100). GPU only: what the planner
+    prices memory-bound kernels by (:mod:`nbtrain.planner.compute_time`); a CPU "device" is timed by layer."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise InvalidArgumentError(f"memory_bandwidth measures a GPU's memory; got device {device!r}")
+    start = time.perf_counter()
+    # 1 GiB each way: far past the L2 cache (50 MiB on H100), a few hundred microseconds at HBM rates
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    inner = 4  # several copies per timing so launch latency does not count
+    seconds = _median_seconds(lambda: [dst.copy_(src) for _ in range(inner)], repeats, _sync(dev)) / inner
+    return Measurement("memory", 2 * nbytes / seconds, "B/s", time.perf_counter() - start,
+                       f"{format_bytes(nbytes)} device → device copy, read + written, {dev}, median of {repeats}")
+
+
 def calibrate(device: str = "cpu", allreduce: bool = False) -> list[Measurement]:
     """Run the benchmarks that describe ``device`` (``"cpu"`` or ``"cuda"``): ``calibrate("cpu")``.
 
     On CPU each core is one nbtrain "device" whose worker runs one thread, so compute, copy and AdamW are measured
-    on one thread. On CUDA the matmul and copy run on GPU 0, AdamW on all the host threads torch uses (the node's
-    update rate), and the all-reduce uses NCCL across the node's GPUs (skipped with fewer than two).
+    on one thread. On CUDA the matmul, the device memory's bandwidth and the copy run on GPU 0, AdamW on all the
+    host threads torch uses (the node's update rate), and the all-reduce uses NCCL across the node's GPUs (skipped
+    with fewer than two).
     """
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -290,7 +309,7 @@ def calibrate(device: str = "cpu", allreduce: bool = False) -> list[Measurement]
         return found
     if dev.type != "cuda":
         raise InvalidArgumentError(f"cannot calibrate device {device!r}; use 'cpu' or 'cuda'")
-    found = [matmul_rate(dev), copy_bandwidth(dev),
+    found = [matmul_rate(dev), memory_bandwidth(dev), copy_bandwidth(dev),
              cpu_adamw_rate(num_params=32_000_000, threads=torch.get_num_threads())]
     if allreduce and torch.cuda.device_count() >= 2:
         found.append(allreduce_bandwidth(world_size=torch.cuda.device_count(), backend="nccl"))

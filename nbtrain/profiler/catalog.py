@@ -87,42 +87,87 @@ class DeviceSpec:
     host_to_device_bandwidth: float
     cpu_optimizer_rate: float
     flops_efficiency: float = 0.8  # REFERENCE.md: ~790 of 990 TFLOP/s measured on an H200
+    memory_bandwidth: float = 0.0
+    memory_efficiency: float = 0.0
+    attention_efficiency: float = 0.0
+    kernel_latency_s: float = 0.0
+    collective_latency_s: float = 0.0
+    inter_node_latency_s: float = 0.0
     dtype: str = "bf16"
     intra_link: str = "NVLink"
     inter_link: str = "InfiniBand"
 
 
+TB = 1e12
+# Compute time by kernel (nbtrain.planner.compute_time), for GPUs. Sources, as found with the figures:
+# - Achievable bf16 matmul rate (flops_efficiency): Stas Bekman, "Machine Learning Engineering", chapter
+#   compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table" (mamf-finder.py, found with
+#   search): A100 SXM 271.2 of 312 TFLOP/s (torch 2.6; 267.9 in an earlier edition), H100 SXM 794.5 of 989 (torch
+#   2.7); H200 keeps 0.8, REFERENCE.md's ~790 of 990 measured on one. No figure for the others: they keep 0.8
+#   (V100, RTX 4090) and 0.7 (L4, power-capped).
+# - Attention (attention_efficiency, of peak, on causal FLOPs): FlashAttention-2 (Dao 2023, abstract) reaches
+#   50-73% of peak on A100, forward; backward is slower (its §4), so the low end, 0.5. FlashAttention-3 (Shah et
+#   al. 2024, abstract): "FlashAttention-2 achieving only 35% utilization on the H100 GPU": 0.35 on Hopper, which is
+#   what PyTorch's SDPA flash backend (FA2) runs. Unknown elsewhere: the matmul rate.
+# - Memory-bound ops (memory_bandwidth × memory_efficiency): datasheets' HBM bandwidth (A100-80GB 2.04 TB/s,
+#   A100-40GB 1.555, H100 SXM 3.35, H200 4.8, V100 0.9, L4 0.3, RTX 4090 1.008); a streaming kernel reaches ~0.9
+#   of it (H100 80GB HBM3: 3.02-3.09 TB/s D2D copy and STREAM triad, a published benchmark log found with
+#   search; BabelStream's A100 figures, ~1.8 of 2.04 TB/s, remembered).
+# - Launch floor (kernel_latency_s): eager PyTorch spends ~5-25 us of CPU per op before its kernel runs (dispatch
+#   ~1-2 us, autograd ~1-3 us, cudaLaunchKernel ~1-3 us: jiahuanglin.xyz "From PyTorch op to kernel launch"); a
+#   kernel cannot take less than the low end, 5 us, when the CPU feeds the GPU one op at a time.
+# - Collective floor: NCCL all-reduce of a few hundred bytes inside an HGX 8 x H100 node takes ~6 us with two
+#   GPUs, more with more (NVIDIA/nccl#1259, nccl-tests with CUDA graphs); NCCL's own tuning model prices 128 bytes
+#   across H100 nodes at ~25 us (NVIDIA/nccl#1453, "128 Bytes -> Algo 0 proto 0 time 25.2"). 6 us inside a node,
+#   25 us across, for every NVLink/PCIe GPU (not found per GPU).
+_KERNEL_FLOORS = dict(memory_efficiency=0.9, kernel_latency_s=5e-6, collective_latency_s=6e-6,
+                      inter_node_latency_s=25e-6)
+
 CATALOG: dict[str, DeviceSpec] = {
     # Tesla V100 SXM2 32GB datasheet: 125 TFLOP/s fp16 tensor (no bf16 before A100), NVLink2 300 GB/s both ways,
     # PCIe Gen3. DGX-1V: 4× EDR for 8 GPUs (half a NIC each), 512 GB RAM, 2 sockets.
     "V100": DeviceSpec(32 * GiB, 125 * TFLOPS, 300 * GB / 2, IB_EDR / 2, 512 * GiB, PCIE_GEN3,
-                       2 * ADAMW_PER_SOCKET, dtype="fp16", inter_link="InfiniBand EDR"),
+                       2 * ADAMW_PER_SOCKET, memory_bandwidth=0.9 * TB, **_KERNEL_FLOORS, dtype="fp16",
+                       inter_link="InfiniBand EDR"),
     # A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, NVLink3 600 GB/s both ways, PCIe Gen4.
     # DGX A100: 8× HDR (one per GPU), 2 sockets; 1 TB RAM with 40 GB GPUs, 2 TB with 80 GB GPUs.
     "A100-40GB": DeviceSpec(40 * GiB, 312 * TFLOPS, 600 * GB / 2, IB_HDR, 1024 * GiB, PCIE_GEN4,
-                            2 * ADAMW_PER_SOCKET, inter_link="InfiniBand HDR"),
+                            2 * ADAMW_PER_SOCKET, flops_efficiency=271.2 / 312, memory_bandwidth=1.555 * TB,
+                            attention_efficiency=0.5, **_KERNEL_FLOORS, inter_link="InfiniBand HDR"),
     "A100-80GB": DeviceSpec(80 * GiB, 312 * TFLOPS, 600 * GB / 2, IB_HDR, 2048 * GiB, PCIE_GEN4,
-                            2 * ADAMW_PER_SOCKET, inter_link="InfiniBand HDR"),
+                            2 * ADAMW_PER_SOCKET, flops_efficiency=271.2 / 312, memory_bandwidth=2.039 * TB,
+                            attention_efficiency=0.5, **_KERNEL_FLOORS, inter_link="InfiniBand HDR"),
     # H100 SXM5 datasheet: 1,979 TFLOP/s bf16 with sparsity, 989.4 dense (Hopper whitepaper), NVLink4 900 GB/s
     # both ways, PCIe Gen5.
     # DGX H100: 8× ConnectX-7 NDR (one per GPU), 2 TB RAM, 2 sockets. Memory: 80 GiB HBM3; the runtime reports
     # ~0.5% less (81559 MiB), which the planner's memory reserve covers.
     "H100": DeviceSpec(80 * GiB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
-                       2 * ADAMW_PER_SOCKET, inter_link="InfiniBand NDR"),
+                       2 * ADAMW_PER_SOCKET, flops_efficiency=794.5 / 989.4, memory_bandwidth=3.35 * TB,
+                       attention_efficiency=0.35, **_KERNEL_FLOORS, inter_link="InfiniBand NDR"),
+    # Meta's Grand Teton H100 (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): "96GB HBM2e
+    # with 2.4 TB/sec peak memory bandwidth", "the default 500W power limit" (the SXM part is rated 700 W);
+    # 400 Gb/s RDMA per GPU. Its peak "is between SXM and NVL, and we don't know its exact value" (the same file,
+    # note 2): the SXM figures are kept, so this entry over-states its compute by what the lower power costs.
+    "H100-96GB-500W": DeviceSpec(96 * GB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
+                                 2 * ADAMW_PER_SOCKET, flops_efficiency=794.5 / 989.4, memory_bandwidth=2.4 * TB,
+                                 attention_efficiency=0.35, **_KERNEL_FLOORS, inter_link="RDMA 400 Gb/s"),
     # H200 SXM datasheet: "141 GB" HBM3e (the runtime sees ~140 GiB: 143771 MiB), same compute and NVLink as H100.
     # DGX H200: 8× NDR, 2 TB RAM, 2 sockets.
     "H200": DeviceSpec(140 * GiB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
-                       2 * ADAMW_PER_SOCKET, inter_link="InfiniBand NDR"),
+                       2 * ADAMW_PER_SOCKET, memory_bandwidth=4.8 * TB, attention_efficiency=0.35,
+                       **_KERNEL_FLOORS, inter_link="InfiniBand NDR"),
     # L4 datasheet: 24 GB GDDR6 (23034 MiB visible with ECC, the default), 242 TFLOP/s bf16 with sparsity = 121
     # dense, PCIe Gen4 x16, no NVLink, 72 W: it throttles under sustained matmuls, hence 0.7 of peak.
     # Host: a 1-socket, 128 GiB box; network: 100 Gb/s Ethernet shared by 8 GPUs (cloud VMs). Override both.
     "L4": DeviceSpec(23034 * MiB, 121 * TFLOPS, PCIE_GEN4, 100e9 / 8 / 8, 128 * GiB, PCIE_GEN4,
-                     ADAMW_PER_SOCKET, flops_efficiency=0.7, intra_link="PCIe Gen4", inter_link="Ethernet"),
+                     ADAMW_PER_SOCKET, flops_efficiency=0.7, memory_bandwidth=0.3 * TB, **_KERNEL_FLOORS,
+                     intra_link="PCIe Gen4", inter_link="Ethernet"),
     # Ada whitepaper (RTX 4090): 165.2 TFLOP/s bf16 with fp32 accumulate (what PyTorch uses), 24 GB GDDR6X,
     # PCIe Gen4 x16, no NVLink; GeForce has no peer-to-peer, so device-to-device traffic crosses host memory at
     # no more than PCIe rate. Host and network as for L4.
     "RTX4090": DeviceSpec(24 * GiB, 165.2 * TFLOPS, PCIE_GEN4, 100e9 / 8 / 8, 128 * GiB, PCIE_GEN4,
-                          ADAMW_PER_SOCKET, intra_link="PCIe Gen4", inter_link="Ethernet"),
+                          ADAMW_PER_SOCKET, memory_bandwidth=1.008 * TB, **_KERNEL_FLOORS,
+                          intra_link="PCIe Gen4", inter_link="Ethernet"),
     # The host itself, one "device" per core (one worker process, one thread each). No datasheet: conservative
     # guesses that Cluster.detect() replaces with measurements — one core's fp32 matmul (~50 GFLOP/s for AVX2;
     # 120+ measured with AVX-512), gloo all-reduce over loopback (~0.7 GB/s measured on 2 cores), one-thread
@@ -137,6 +182,7 @@ _ALIASES = {  # normalised (lower-case letters and digits only) → catalog name
     "a100": "A100-80GB", "a10080gb": "A100-80GB", "a10080g": "A100-80GB", "a10080": "A100-80GB",
     "a10040gb": "A100-40GB", "a10040g": "A100-40GB", "a10040": "A100-40GB",
     "h100": "H100", "h10080gb": "H100", "h100sxm": "H100", "h100sxm5": "H100",
+    "h10096gb500w": "H100-96GB-500W", "h10096gb": "H100-96GB-500W", "h100hbm2e": "H100-96GB-500W",
     "h200": "H200", "h200141gb": "H200", "h200sxm": "H200", "l4": "L4",
     "rtx4090": "RTX4090", "4090": "RTX4090", "geforcertx4090": "RTX4090", "cpu": "cpu", "host": "cpu",
 }

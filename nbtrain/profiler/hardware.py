@@ -28,7 +28,8 @@ from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_rate, parse_bytes
 
 _MEASURED = {"matmul": "peak_flops", "copy": "host_to_device_bandwidth", "cpu_adamw": "cpu_optimizer_rate",
-             "allreduce": "intra_node_bandwidth"}  # calibrate.Measurement.name → the field it sets
+             "allreduce": "intra_node_bandwidth",  # calibrate.Measurement.name → the field it sets
+             "memory": "memory_bandwidth"}
 _UNITS = {  # field → (unit for messages, is a byte count)
     "device_memory": ("bytes per device", True), "host_memory": ("bytes per node", True),
     "peak_flops": ("FLOP/s per device", False), "intra_node_bandwidth": ("bytes/s per device", False),
@@ -57,6 +58,19 @@ class Cluster:
     """Dense matmul FLOP/s per device in the training compute dtype (bf16 on GPUs; fp16 on V100; fp32 on CPU)."""
     flops_efficiency: float = 0.8
     """Fraction of ``peak_flops`` that large matmuls sustain, in (0, 1] (~790 of 990 TFLOP/s measured on H200)."""
+    memory_bandwidth: float = 0.0
+    """Bytes/s of the device's own memory (HBM), datasheet; 0: unknown, and compute time is FLOPs over
+    :attr:`sustained_flops` (a CPU, or an old saved cluster) instead of priced by kernel."""
+    memory_efficiency: float = 0.0
+    """Fraction of ``memory_bandwidth`` a memory-bound kernel (a norm, an activation, a copy) reaches."""
+    attention_efficiency: float = 0.0
+    """Fraction of ``peak_flops`` a fused attention kernel reaches on causal FLOPs; 0: ``flops_efficiency``."""
+    kernel_latency_s: float = 0.0
+    """Seconds no kernel takes less than (launch and eager dispatch): the floor of a tiny model's step."""
+    collective_latency_s: float = 0.0
+    """Seconds no collective inside a node takes less than (NCCL's small-message latency)."""
+    inter_node_latency_s: float = 0.0
+    """Seconds no collective across nodes takes less than."""
     intra_node_bandwidth: float
     """Bytes/s per device, one direction, device to device inside a node (NVLink, else PCIe, or gloo on CPU)."""
     inter_node_bandwidth: float
@@ -90,6 +104,13 @@ class Cluster:
                 raise InvalidArgumentError(
                     f"{name} must be a positive number of {unit}, got {value!r}; "
                     f"pass a datasheet or measured value, e.g. Cluster.from_catalog(..., {name}=...)")
+        for name in ("memory_bandwidth", "memory_efficiency", "attention_efficiency", "kernel_latency_s",
+                     "collective_latency_s", "inter_node_latency_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
+                    or (name.endswith("efficiency") and value > 1):
+                raise InvalidArgumentError(f"{name} must be a number ≥ 0{' and ≤ 1' if 'eff' in name else ''} "
+                                           f"(0: unknown), got {value!r}")
         eff = self.flops_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             raise InvalidArgumentError(
@@ -199,14 +220,21 @@ class Cluster:
         """A copy with measured rates put in (``source="calibrated"``): ``c.with_measurements(calibrate("cpu"))``.
 
         A GPU keeps its datasheet peak and gets ``flops_efficiency = measured / peak``; a CPU has no datasheet,
-        so the measured rate becomes the peak, sustained at 1.0. ``copy`` sets host→device bandwidth,
+        so the measured rate becomes the peak, sustained at 1.0. ``memory`` (device memory, a GPU's
+        :func:`~nbtrain.profiler.calibrate.memory_bandwidth`) sets ``memory_efficiency`` against the datasheet's
+        bandwidth. ``copy`` sets host→device bandwidth,
         ``cpu_adamw`` the optimizer rate, ``allreduce`` (bus bandwidth) the intra-node bandwidth.
         """
         changes: dict = {"source": "calibrated"}
         for m in measurements:
             if m.name not in _MEASURED:
                 raise InvalidArgumentError(f"unknown measurement {m.name!r}; expected one of {', '.join(_MEASURED)}")
-            if m.name != "matmul":
+            if m.name == "memory":  # the datasheet's bandwidth stays; what a kernel reaches of it is measured
+                if self.memory_bandwidth and m.value < self.memory_bandwidth:
+                    changes["memory_efficiency"] = m.value / self.memory_bandwidth
+                else:
+                    changes.update(memory_bandwidth=m.value, memory_efficiency=1.0)
+            elif m.name != "matmul":
                 changes[_MEASURED[m.name]] = m.value
             elif self.device == "cpu" or m.value >= self.peak_flops:  # no datasheet, or one we beat: trust it
                 changes.update(peak_flops=m.value, flops_efficiency=1.0)
@@ -309,6 +337,18 @@ class Cluster:
             ("CPU optimizer", f"{format_rate(self.cpu_optimizer_rate, ' params/s')} per node (AdamW)"),
         ):
             table.add(key, value)
+        if self.memory_bandwidth:  # what compute_time prices a GPU's kernels by
+            attention = self.attention_efficiency or self.flops_efficiency
+            for key, value in (
+                ("device memory", f"{format_rate(self.memory_bandwidth, 'B/s')} "
+                                  f"({self.memory_efficiency:.0%} streaming)"),
+                ("attention kernels", f"{format_rate(self.peak_flops * attention, 'FLOP/s')} "
+                                      f"({attention:.0%} of peak)"),
+                ("latency floors", f"{self.kernel_latency_s * 1e6:.0f} µs a kernel, "
+                                   f"{self.collective_latency_s * 1e6:.0f} µs a collective in a node, "
+                                   f"{self.inter_node_latency_s * 1e6:.0f} µs across"),
+            ):
+                table.add(key, value)
         return table
 
     def __str__(self) -> str:

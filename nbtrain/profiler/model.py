@@ -28,7 +28,7 @@ from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family
 from nbtrain.models.description import describe, planner_facts
 from nbtrain.models.resolve import resolve_model
-from nbtrain.profiler.result import QUANTITIES, LayerProfile, ModelProfile, Scaling
+from nbtrain.profiler.result import FITTED, QUANTITIES, LayerProfile, ModelProfile, Scaling
 from nbtrain.profiler.segments import first_tensor
 from nbtrain.profiler.trace import Counts, Step, count, time_step
 
@@ -117,7 +117,7 @@ def _fit_segments(step: Step) -> list[dict[str, Scaling]]:
     s0 = max(1, min(32, (step.family.max_seq_len or 96) // 3))
     probes = [(b, k * s0) for b in (1, 2) for k in (1, 2, 3)]
     counts = [count(step, b, s) for b, s in probes]
-    return [{q: Scaling.fit([(b, s, c.values[q][i]) for (b, s), c in zip(probes, counts)]) for q in QUANTITIES}
+    return [{q: Scaling.fit([(b, s, c.values[q][i]) for (b, s), c in zip(probes, counts)]) for q in FITTED}
             for i in range(step.num_segments)]
 
 

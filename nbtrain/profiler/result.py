@@ -18,6 +18,14 @@ from nbtrain.profiler.report import profile_summary, profile_table
 
 QUANTITIES = ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes", "selective_bytes", "recompute_bytes")
 
+# Counted by kernel class (nbtrain.profiler.kernels), per direction: what the planner prices a GPU's compute time by
+# (nbtrain.planner.compute_time). Kept in ``LayerProfile.scaling`` only: a profile saved before they were counted
+# loads without them, and the planner then falls back to FLOPs over the sustained rate.
+KERNEL_QUANTITIES = tuple(f"{q}_{d}" for q in ("matmul_flops", "matmul_bytes", "attention_flops", "memory_bytes",
+                                               "kernels") for d in ("fwd", "bwd"))
+FITTED = QUANTITIES + KERNEL_QUANTITIES
+"""Every quantity the profiler fits as a :class:`Scaling` per layer."""
+
 # Transformer costs are sums of these terms: per-token work (b·s), attention scores (b·s²), per-sequence work
 # (b), and batch-independent work on positions (s, s²: RoPE tables, causal masks) or constants.
 TERMS = ("b*s", "b*s^2", "b", "s", "s^2", "1")

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
+from nbtrain.profiler.kernels import KernelCounter
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor
 from nbtrain.profiler.selective import SelectiveCounter
@@ -117,12 +118,15 @@ def count(step: Step, b: int, s: int) -> Counts:
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
-        flops, saved, selective = FlopObserver(), SavedBytes(params.values()), SelectiveCounter()
+        flops, saved = FlopObserver(), SavedBytes(params.values())
+        selective, kernels = SelectiveCounter(), KernelCounter()
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(note_module))
         stack.enter_context(flops.counter)
+        stack.enter_context(kernels)  # inside the FLOP counter: it sees the ops as they are dispatched
         stack.enter_context(saved.hooks())
         stack.enter_context(selective)
-        tracker, out = _run(step, [flops, saved, selective, SegmentOfModule()], b, s, "cpu", {**params, **buffers})
+        tracker, out = _run(step, [flops, saved, selective, kernels, SegmentOfModule()], b, s, "cpu",
+                            {**params, **buffers})
     n = step.num_segments
     outputs = _output_bytes(tracker, out, n)
     # under ac=op a layer keeps its input (the step's inputs for the first; the one before's output for the rest)
@@ -134,6 +138,7 @@ def count(step: Step, b: int, s: int) -> Counts:
         "output_bytes": outputs,
         "selective_bytes": {i: inputs[i] + selective.kept[i] for i in range(n)},
         "recompute_bytes": {i: selective.recomputed[i] for i in range(n)},
+        **kernels.finish(n),
     }
     return Counts(values, module_segment)
 
