@@ -2,11 +2,15 @@
 shows for a plan made here come from this one function, with the same profile (timed here at the plan's per-device
 micro-batch, cached) and the same cluster (calibrated once per machine, cached).
 
-    >>> from nbtrain.profiler.hardware import Cluster
-    >>> here = Cluster.this_machine(2)
-    >>> pred = predict_here(model, Plan.parse("dp_shard=2", num_devices=2, num_layers=4, global_batch=8,
-    ...                                       seq_len=64), here, num_processes=2, seq_len=64)
-    >>> pred.step_time_s
+    >>> import nbtrain
+    >>> from nbtrain.planner.plan import Plan
+    >>> model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    >>> plan = Plan.parse("dp_shard=2", num_devices=2, num_layers=4, global_batch=8, seq_len=64)
+    >>> described = Cluster.from_catalog("cpu", num_devices=2)    # Cluster.this_machine(2): timed here
+    >>> pred = predict_here(model, plan, described, num_processes=2, seq_len=64)
+    >>> pred.step_time_s == nbtrain.estimate(plan, nbtrain.profile(model, batch_size=1, seq_len=64, dtype="fp32"),
+    ...                                      described).step_time_s
+    True
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Move the hidden state between two layers whose (dp, tp, sp) layouts differ, with exact gradients.
 
-    >>> add_relayout(block, (2, 1, False), (1, 2, True), meshes.stage_group, meshes.for_strategy(s)["tp"])
     >>> whole((1, 2, True))                # what an embedding, a head or a pipeline stage boundary hands on
     (1, 2, False)
+
+In a worker, ``parallelize`` calls ``add_relayout(block, (2, 1, False), (1, 2, True), meshes.stage_group,
+meshes.for_strategy(s)["tp"])`` on the first layer of each new layout.
 
 Under layout ``(dp, tp, sp)`` the ``D = dp·tp`` ranks of a stage hold the micro-batch's rows in ``dp`` slices: rank
 ``r`` holds slice ``r // tp`` (tp is the innermost mesh axis), replicated over its ``tp`` ranks, or with ``sp``
