@@ -184,7 +184,8 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     profiled on inputs shaped like the first batch. ``headroom`` (``--headroom``): the share of each device's
     memory kept free for the allocator (default 10% on a GPU, :class:`~nbtrain.planner.cost.CostOptions`)."""
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
-    profile = _profile(model, name, seq, _dtype(dtype), loss_fn, _inputs_for(model, data), tp_plan)
+    inputs = _inputs_for(model, data)
+    profile = _profile(model, name, seq, _dtype(dtype), loss_fn, inputs, tp_plan)
     if gpus is None and gpu is None and gpus_per_node is None:
         cluster = Cluster.this_machine(processes)
     else:
@@ -198,7 +199,7 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     job = plan_and_compare(profile, cluster, global_batch=batch or 4 * gpus, seq_len=seq, memory=memory,
                            strategy=strategy, top=top, options=options, cost_options=CostOptions(headroom=headroom))
     if here:
-        job = as_launched_here(job, model, loss_fn=loss_fn, inputs=_inputs_for(model, data), tp_plan=tp_plan,
+        job = as_launched_here(job, model, loss_fn=loss_fn, inputs=inputs, tp_plan=tp_plan,
                                headroom=headroom)
     return PlannedCell(name, job)
 

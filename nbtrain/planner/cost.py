@@ -71,7 +71,7 @@ from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reserve import reserve_parts
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
-from nbtrain.planner.selective_cost import kept_per_rank, recompute_seconds
+from nbtrain.planner.selective_cost import kept_per_rank, recompute_seconds, split_over_tp
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -132,6 +132,11 @@ class CostModel:
         c = self.cluster
         return c.intra_node_bandwidth if span <= c.devices_per_node else c.inter_node_bandwidth
 
+    def _gather(self, group: int, nbytes: float) -> float:
+        """One all-gather producing ``nbytes`` over ``group`` consecutive devices: as measured here, else a ring."""
+        measured = gather_seconds(self.links, self.cluster.num_devices, group, nbytes)
+        return measured if measured is not None else _ring(group, nbytes, self._bandwidth(group))
+
     def _latency(self, span: int) -> float:  # a collective's floor over ``span`` consecutive devices (0 on a CPU)
         c = self.cluster
         return c.collective_latency_s if span <= c.devices_per_node else c.inter_node_latency_s
@@ -183,7 +188,7 @@ class CostModel:
             tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp),
                                                                           self._latency(s.tp))
         if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
-            tp_comm += (1 if index == 0 else passes - 1) * gather_seconds(self.links, self.cluster, s.tp, hidden)
+            tp_comm += (1 if index == 0 else passes - 1) * self._gather(s.tp, hidden)
         zero3, dp_comm = self._data_parallel(index, s, p, compute, bwd)
         offload, update = self._optimizer(index, s, p, bwd)
         per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
@@ -209,9 +214,8 @@ class CostModel:
             return full
         if s.sp and self.profile.layers[index].kind == "block":
             return full / s.tp
-        kept = (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b)
-        whole = min(full, kept)
-        return whole + (full - whole) / s.tp
+        return split_over_tp(full, (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b),
+                             s.tp)
 
     def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
         """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time
@@ -279,7 +283,7 @@ class CostModel:
             return 0.0
         nbytes = max(self._hidden(index, self.micro_batch(s, microbatches)) / s.tp for s in (before, after))
         if before.layout[:2] == after.layout[:2]:  # sp on one side: gather the sequence forward, or its gradient back
-            return gather_seconds(self.links, self.cluster, before.tp, nbytes * before.tp)
+            return self._gather(before.tp, nbytes * before.tp)
         gather = self.links.find("all_gather", before.devices, self.cluster.num_devices)
         if gather is not None:  # measured: one gather of the hidden state forward, one of its gradient back
             return 2 * gather.seconds(nbytes * before.devices)
@@ -290,7 +294,7 @@ class CostModel:
         receiving the gradient back. pp is the outermost mesh axis: stage i runs on devices [i·D, (i+1)·D), so its
         next stage is in another node unless both sit inside one."""
         nbytes = self._eval(last_layer, "output_bytes", self.micro_batch(s, microbatches)) / s.tp
-        gather = 2 * gather_seconds(self.links, self.cluster, s.tp, nbytes * s.tp) if s.sp else 0.0  # sp: sent whole
+        gather = 2 * self._gather(s.tp, nbytes * s.tp) if s.sp else 0.0  # sp: sent whole
         per_stage, node = self.cluster.num_devices // pp, self.cluster.devices_per_node
         boundary = (stage + 1) * per_stage  # first device of the next stage
         same_node = per_stage < node and boundary % node != 0

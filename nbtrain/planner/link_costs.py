@@ -43,15 +43,11 @@ def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: floa
     return seconds
 
 
-def gather_seconds(links: Links, cluster, group: int, nbytes: float) -> float:
-    """One all-gather producing ``nbytes`` over ``group`` consecutive devices of ``cluster`` (the hidden state at a
-    sequence-parallel boundary): as measured here, else a ring, ``(k − 1)/k · bytes / bandwidth`` (Thakur et al.
-    2005), inside a node when the group fits in one."""
-    gather = links.find("all_gather", group, cluster.num_devices)
-    if gather is not None:
-        return gather.seconds(nbytes)
-    inside = group <= cluster.devices_per_node
-    return (group - 1) / group * nbytes / (cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth)
+def gather_seconds(links: Links, world: int, group: int, nbytes: float) -> float | None:
+    """One all-gather producing ``nbytes`` over ``group`` of ``world`` devices (the hidden state at a
+    sequence-parallel boundary), as measured here; None when it was not."""
+    gather = links.find("all_gather", group, world)
+    return None if gather is None else gather.seconds(nbytes)
 
 
 def fsdp_seconds(links: Links, world: int, s: Strategy, kind: str, *, param_bytes: float) -> float | None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from nbtrain.checks import positive_int, power_of_two_divisors
 from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
+from nbtrain.planner.reserve import HEADROOM_PART, headroom_label
 from nbtrain.planner.reach import cuts_stages, executor_problem, keeps_tie_whole
 from nbtrain.planner.search import leanest, search
 from nbtrain.planner.search_space import SearchOptions
@@ -240,12 +241,12 @@ def _at_its_own_budget(pred) -> tuple[float, float, tuple]:
     the allocator headroom is a share of the budget, so a plan needing ``need`` at a budget ``B`` with headroom
     ``h·B`` needs ``(need − h·B) / (1 − h)``, and the headroom grows with it."""
     need, budget, parts = pred.memory_bytes, pred.budget_bytes, tuple(pred.reserve_parts)
-    share = sum(nbytes for what, nbytes in parts if what.startswith("allocator headroom")) / budget if budget else 0
+    share = sum(nbytes for what, nbytes in parts if what.startswith(HEADROOM_PART)) / budget if budget else 0
     if not share:
         return need, pred.stages[0].memory.reserve, parts
     enough = (need - share * budget) / (1 - share)
-    parts = tuple((f"allocator headroom ({share:.0%} of {_need(enough, 0)})", int(share * enough))
-                  if what.startswith("allocator headroom") else (what, nbytes) for what, nbytes in parts)
+    parts = tuple((headroom_label(share, _need(enough, 0)), int(share * enough))
+                  if what.startswith(HEADROOM_PART) else (what, nbytes) for what, nbytes in parts)
     return enough, sum(nbytes for _, nbytes in parts), parts
 
 

@@ -38,6 +38,13 @@ MiB = 2**20
 CUDA_CONTEXT_BYTES = 512 * MiB
 NCCL_BUFFER_BYTES = 512 * MiB
 HEADROOM = 0.10
+HEADROOM_PART = "allocator headroom"
+"""The name the headroom's reserve part starts with (:func:`headroom_label`)."""
+
+
+def headroom_label(fraction: float, budget: str) -> str:
+    """The headroom's reserve part as the table and the messages name it: ``allocator headroom (10% of 80.00 GiB)``."""
+    return f"{HEADROOM_PART} ({fraction:.0%} of {budget})"
 
 
 def reserve_parts(cluster: Cluster, options: "CostOptions | None" = None, budget: float | None = None
@@ -71,4 +78,4 @@ def headroom_part(cluster: Cluster, options: "CostOptions | None" = None, budget
     if not fraction:
         return ()
     budget = cluster.device_memory if budget is None else budget
-    return ((f"allocator headroom ({fraction:.0%} of {format_bytes(budget)})", int(fraction * budget)),)
+    return ((headroom_label(fraction, format_bytes(budget)), int(fraction * budget)),)

@@ -17,16 +17,26 @@ from nbtrain.profiler.hardware import Cluster
 NON_MATMUL_SHARE = 0.35
 
 
+def split_over_tp(nbytes: float, whole: float, tp: int) -> float:
+    """Bytes one of ``tp`` tensor-parallel ranks holds of ``nbytes``, of which up to ``whole`` bytes (the
+    hidden-sized tensors around the split matmuls) every rank holds whole and the rest is divided by ``tp``.
+
+        >>> split_over_tp(300, whole=150, tp=2)
+        225.0
+    """
+    if tp <= 1:
+        return nbytes
+    whole = min(nbytes, whole)
+    return whole + (nbytes - whole) / tp
+
+
 def kept_per_rank(selective: float, hidden: float, kind: str, tp: int, full: float) -> float:
     """Bytes one TP rank keeps under ``ac=op`` of the profiled ``selective`` bytes (the layer's input and its
     matmuls' and attention's outputs), split as the executor splits them: the input (``hidden`` bytes) and a block's
     two row-parallel outputs (attention projection, MLP down: partial sums of the whole hidden state before their
     all-reduce) are whole on every rank, the heads' and the MLP's inner outputs divided by ``tp``. Never more than
     the ``full`` bytes the layer saves on that rank without checkpointing."""
-    if tp > 1:
-        whole = min(selective, (3 if kind == "block" else 1) * hidden)
-        selective = whole + (selective - whole) / tp
-    return min(selective, full)
+    return min(split_over_tp(selective, (3 if kind == "block" else 1) * hidden, tp), full)
 
 
 def recompute_seconds(written: float, hidden: float, kind: str, tp: int, cluster: Cluster, fwd: float,
@@ -36,12 +46,10 @@ def recompute_seconds(written: float, hidden: float, kind: str, tp: int, cluster
     adds, four hidden states, are whole on every rank) at the memory bandwidth, times ``slowdown`` (the processes
     sharing the cores). On a CPU the bandwidth is the copy rate the cluster holds (measured by
     :func:`nbtrain.profiler.calibrate.copy_bandwidth` when calibrated); a cluster with a ``memory_bandwidth`` uses
-    it; a GPU without one (the catalog has none yet) pays :data:`NON_MATMUL_SHARE` of the forward ``fwd``. Never
+    it (the catalog's GPUs have one); a GPU without one (a cluster saved before they had it) pays
+    :data:`NON_MATMUL_SHARE` of the forward ``fwd``. Never
     more than ``fwd`` (full recomputation)."""
-    if tp > 1:
-        whole = min(written, (4 if kind == "block" else 1) * hidden)
-        written = whole + (written - whole) / tp
-    bandwidth = getattr(cluster, "memory_bandwidth", None) or (
-        cluster.host_to_device_bandwidth if cluster.device == "cpu" else None)
+    written = split_over_tp(written, (4 if kind == "block" else 1) * hidden, tp)
+    bandwidth = cluster.memory_bandwidth or (cluster.host_to_device_bandwidth if cluster.device == "cpu" else None)
     seconds = written / bandwidth * slowdown if bandwidth else NON_MATMUL_SHARE * fwd
     return min(seconds, fwd)

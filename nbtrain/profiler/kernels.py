@@ -26,11 +26,11 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from nbtrain.profiler.observers import CPU_ATTENTION_FLOPS
 from nbtrain.profiler.result import KERNEL_QUANTITIES
+from nbtrain.profiler.segments import tensors_in
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
 
 
 def _nbytes(values) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in tensors_in(values))
 
 
 def _argument(func, args, kwargs, name: str, default=None):

@@ -32,6 +32,11 @@ class SegmentObserver(Protocol):
         """The layer now running changed to ``segment`` in ``phase``; charge what came before to the old one."""
 
 
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor in ``value``, however nested in tuples, lists and dicts (an op's arguments, a model's output)."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
 def first_tensor(value) -> torch.Tensor | None:
     """The hidden state of a block's input or output: its first tensor (HF blocks return tuples)."""
     for leaf in tree_leaves(value):

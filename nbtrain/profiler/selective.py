@@ -24,7 +24,8 @@ from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from nbtrain.profiler.segments import tensors_in
 
 aten = torch.ops.aten
 
@@ -38,10 +39,6 @@ SAVED_OPS = frozenset(op.default for op in (
     getattr(aten, "_scaled_dot_product_cudnn_attention", None),
     getattr(aten, "_scaled_dot_product_fused_attention_overrideable", None),
 ) if op is not None)
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 def _key(t: torch.Tensor) -> int:
@@ -74,8 +71,8 @@ class SelectiveCounter(TorchDispatchMode):
         if not self.counting or self.phase != "fwd" or self.segment is None or self.segment < 0:
             return out
         # storages are told apart only within one call: a freed fake storage's address is reused by later ones
-        seen = {_key(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
+        seen = {_key(t) for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
             key = _key(t)
             if key in seen:
                 continue

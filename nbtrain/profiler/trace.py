@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
 from nbtrain.profiler.kernels import KernelCounter
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
-from nbtrain.profiler.segments import SegmentTracker, first_tensor
+from nbtrain.profiler.segments import SegmentTracker, first_tensor, tensors_in
 from nbtrain.profiler.selective import SelectiveCounter
 
 
@@ -130,7 +130,7 @@ def count(step: Step, b: int, s: int) -> Counts:
     n = step.num_segments
     outputs = _output_bytes(tracker, out, n)
     # under ac=op a layer keeps its input (the step's inputs for the first; the one before's output for the rest)
-    inputs = {i: outputs[i - 1] if i else sum(t.nbytes for t in _tensors(tracker.args)) for i in range(n)}
+    inputs = {i: outputs[i - 1] if i else sum(t.nbytes for t in tensors_in(tracker.args)) for i in range(n)}
     values = {
         "flops_fwd": {i: int(flops.fwd[i]) for i in range(n)},
         "flops_bwd": {i: int(flops.bwd[i]) for i in range(n)},
@@ -141,10 +141,6 @@ def count(step: Step, b: int, s: int) -> Counts:
         **kernels.finish(n),
     }
     return Counts(values, module_segment)
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 def _output_bytes(tracker: SegmentTracker, out, n: int) -> dict[int, int]:
