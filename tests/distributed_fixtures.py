@@ -153,6 +153,13 @@ def distributed_losses(build, plans: list[str], world: int, clip_norm: float | N
     return spawn_group(_worker, world, build, plans, clip_norm, timeout=timeout)
 
 
+def losses_by_world(build, plans: dict[int, list[str]]) -> dict:
+    """``{"reference": [loss per step] of one process, world: {plan: [loss per step]}}`` for each world size's
+    plans, run in that many spawned gloo processes."""
+    return {"reference": reference_losses(build),
+            **{world: distributed_losses(build, listed, world=world) for world, listed in plans.items()}}
+
+
 @contextlib.contextmanager
 def single_process_group():
     """A gloo process group of this process alone (an in-memory store), destroyed on exit."""

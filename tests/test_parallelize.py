@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_fixtures import distributed_losses, gpt, hf_gpt2, hf_llama, llama, reference_losses
+from tests.distributed_fixtures import (distributed_losses, gpt, hf_gpt2, hf_llama, llama, losses_by_world,
+                                       reference_losses)
 
 TWO = ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2", "dp_shard=2 ac", "tp=2", "tp=2 ac",
        "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2", "mb=2 | dp_shard=2", "mb=4 | tp=2",
@@ -21,8 +22,7 @@ FOUR = ["dp_shard=2 tp=2", "dp_replicate=2 dp_shard=2", "dp_replicate=2 tp=2 ac"
 @pytest.fixture(scope="module", params=[gpt, llama], ids=["gpt", "llama"])
 def runs(request):
     build = request.param
-    return {"reference": reference_losses(build), 2: distributed_losses(build, TWO, world=2),
-            4: distributed_losses(build, FOUR, world=4)}
+    return losses_by_world(build, {2: TWO, 4: FOUR})
 
 
 @pytest.mark.slow
@@ -52,8 +52,7 @@ HF_FOUR = ["dp_shard=2 tp=2", "0: dp_shard=4; 1: dp_shard=2 tp=2 ac; 2: dp_repli
 @pytest.fixture(scope="module")
 def hf_runs():
     pytest.importorskip("transformers")
-    return {"reference": reference_losses(hf_llama), 2: distributed_losses(hf_llama, HF_TWO, world=2),
-            4: distributed_losses(hf_llama, HF_FOUR, world=4)}
+    return losses_by_world(hf_llama, {2: HF_TWO, 4: HF_FOUR})
 
 
 @pytest.mark.slow
@@ -70,7 +69,7 @@ HF_GPT2_TWO = ["dp_replicate=2", "dp_shard=2 ac", "mb=2 | dp_shard=2 zero=2", "0
 @pytest.fixture(scope="module")
 def hf_gpt2_runs():
     pytest.importorskip("transformers")
-    return {"reference": reference_losses(hf_gpt2), 2: distributed_losses(hf_gpt2, HF_GPT2_TWO, world=2)}
+    return losses_by_world(hf_gpt2, {2: HF_GPT2_TWO})
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.result import ModelProfile
 from nbtrain.run.parallel.parallelize import checkpoint_kwargs
-from tests.distributed_fixtures import distributed_losses, gpt, hf_llama, llama, reference_losses
+from tests.distributed_fixtures import gpt, hf_llama, llama, losses_by_world
 from tests.planner_fixtures import cluster, layer, per_token, profile
 
 # ---- the grammar ------------------------------------------------------------------------------------------------
@@ -158,8 +158,7 @@ def runs(request):
     if request.param is hf_llama:
         pytest.importorskip("transformers")
     build = request.param
-    return {"reference": reference_losses(build), 2: distributed_losses(build, TWO, world=2),
-            4: distributed_losses(build, FOUR, world=4)}
+    return losses_by_world(build, {2: TWO, 4: FOUR})
 
 
 @pytest.mark.slow
