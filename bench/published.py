@@ -30,6 +30,13 @@ Sources (torchtitan, ``git show <commit>:<file>`` in github.com/pytorch/torchtit
   TP 8, torch.compile, per-op SAC, local batch 12: 4,378 tok/s. Same Grand Teton hardware. torchtitan's TP is
   with sequence parallelism (``sp``). seq_len 8192: the train configs' default (not stated in the file).
 
+The 13B row's run used torchtitan's Triton RMSNorm (``norm_type = "fused_rmsnorm"`` in that commit's
+``train_configs/llama_13b.toml``), which saves the norm's bf16 input and one number per token; nbtrain's GPT's
+RMSNorm (as torchtitan's unfused ``rmsnorm`` and transformers' ``LlamaRMSNorm``) upcasts to fp32 and saves that
+copy and the normalised value: 8 bytes per hidden unit per token per block more, 12.5 GiB of the 93 GiB predicted at
+that shape. nbtrain predicts the model it would run, so the row says "does not fit" for a reason of the model, not
+of the cost model.
+
 What nbtrain does not model and these runs had: torch.compile (the two asyncTP rows: it fuses the memory-bound ops
 nbtrain prices one kernel each), and the 500 W power limit of Meta's H100s beyond their 2.4 TB/s memory (their
 compute peak "is between SXM and NVL, and we don't know its exact value").

@@ -101,7 +101,7 @@ def gloo_worker(rank: int, world: int, port: int, queue):
             dist.destroy_process_group()
 
 
-def _worker(rank, world, port, build, plans, clip_norm, queue):
+def _worker(rank, world, port, build, plans, clip_norm, split_logits, queue):
     with gloo_worker(rank, world, port, queue) as report:
         from nbtrain.run.parallel.mesh import PlanMeshes
         from nbtrain.models.description import layer_slots
@@ -115,7 +115,7 @@ def _worker(rank, world, port, build, plans, clip_norm, queue):
             plan = Plan.parse(text, num_devices=world, num_layers=len(layer_slots(model)), global_batch=BATCH,
                               seq_len=SEQ)
             meshes = PlanMeshes(plan)
-            model = parallelize(model, plan, meshes)
+            model = parallelize(model, plan, meshes, split_logits=split_logits)
             trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters(), lr=1e-2),
                               clip_norm=clip_norm)
             results[text] = [trainer.step(ids, targets).loss for ids, targets in batches()]
@@ -148,9 +148,10 @@ def spawn_group(worker, world: int, *args, timeout: float = 300):
 
 
 def distributed_losses(build, plans: list[str], world: int, clip_norm: float | None = None,
-                       timeout: float = 300) -> dict:
-    """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes."""
-    return spawn_group(_worker, world, build, plans, clip_norm, timeout=timeout)
+                       timeout: float = 300, split_logits: bool = False) -> dict:
+    """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes (``split_logits``: a
+    tensor-parallel head keeps its logits split for the vocabulary-parallel loss, as ``fit`` runs nbtrain's own)."""
+    return spawn_group(_worker, world, build, plans, clip_norm, split_logits, timeout=timeout)
 
 
 def losses_by_world(build, plans: dict[int, list[str]]) -> dict:

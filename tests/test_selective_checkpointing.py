@@ -86,6 +86,19 @@ def test_ac_op_prices_the_kept_bytes_and_the_recomputed_non_matmul_ops():
     assert extra == pytest.approx(NON_MATMUL_SHARE * fwd)
 
 
+def test_ac_op_prices_the_projection_matmuls_it_drops_at_the_layers_forward_rate():
+    # per token: 10^6 forward FLOPs, of which ac=op recomputes 3·10^5 (the dropped projections) and 500 bytes
+    block = layer("blocks.0", "block", params=10**6, act=1000, out=100, fwd=10**6,
+                  scaling={"selective_bytes": per_token(300), "recompute_bytes": per_token(500),
+                           "recompute_matmul_flops": per_token(3 * 10**5)})
+    embed = layer("embed", "embedding", params=10**3, act=10, out=100, fwd=0)
+    model = CostModel(profile([embed, block], seq_len=100), cluster(num_devices=1, devices_per_node=1, device="cpu"),
+                      global_batch=1)
+    none, op = (model.layer(1, Strategy(ac=ac), 1) for ac in (False, "op"))
+    fwd = 10**6 * 100 / 1e12
+    assert op.time.compute - none.time.compute == pytest.approx(500 * 100 / 1e9 + 0.3 * fwd)
+
+
 def test_a_profile_saved_before_selective_bytes_loads_and_keeps_everything_under_ac_op():
     prof = nbtrain.profile(gpt(), batch_size=1, seq_len=8, dtype="fp32")
     old = prof.to_dict()
@@ -144,6 +157,30 @@ def test_profiled_selective_bytes_of_a_block_lie_between_no_and_full_checkpointi
     profiled = prof.layers[1].selective_bytes
     assert full < profiled < none
     assert profiled == pytest.approx(op, rel=0.05), (none, op, full, profiled)
+
+
+@pytest.mark.parametrize("build", [gpt, llama], ids=["gpt", "llama"])
+def test_profiled_recomputed_matmul_flops_are_what_torchs_flop_counter_sees_backward_redo(build):
+    """torch's own FLOP counter on a real block: backward under the executor's ac=op policy does the dropped
+    projections' FLOPs more than backward without checkpointing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, s = 2, 16
+    prof = nbtrain.profile(build(), batch_size=b, seq_len=s, dtype="fp32")
+    torch.manual_seed(0)
+    model = build()
+    block = model.blocks[0]
+    backward = {}
+    for name, kwargs in (("none", None), ("op", checkpoint_kwargs("op"))):
+        x = torch.randn(b, s, model.config.n_embd, requires_grad=True)
+        with FlopCounterMode(display=False):  # forward and backward dispatched alike (under a mode both)
+            out = checkpoint(block, x, **kwargs) if kwargs else block(x)
+        with FlopCounterMode(display=False) as counter:
+            out.sum().backward()
+        backward[name] = counter.get_total_flops()
+    dropped = prof.layers[1].scaling["recompute_matmul_flops"](b, s)
+    assert dropped > 0
+    assert backward["op"] - backward["none"] == dropped
 
 
 # ---- the executor: plans train like one process -----------------------------------------------------------------

@@ -240,6 +240,8 @@ def test_the_planner_chooses_sp_where_it_pays_and_plain_tp_where_it_only_ties():
     assert any(s.tp > 1 for s in best.layers) and not any(s.sp for s in best.layers), str(best)
     best = nbtrain.plan(_llama3_70b_profile(), nbtrain.Cluster.from_catalog("H100", num_devices=64), global_batch=64,
                         seq_len=8192)
-    # 80 GiB is tight at 8192 tokens: sp on every block lets fewer of them recompute whole (ac; ac=op keeps matmuls)
+    # 80 GiB is tight at 8192 tokens: sp on the blocks lets fewer of them recompute whole (ac; ac=op keeps
+    # projections); the block next to the head (which runs on the whole sequence) may go either way, since there one
+    # all-gather of the hidden state is paid with sp or without
     blocks = best.layers[1:-1]
-    assert all(s.sp for s in blocks) and sum(s.ac is True for s in blocks) < len(blocks), str(best)
+    assert all(s.sp for s in blocks[:-1]) and sum(s.ac is True for s in blocks) < len(blocks), str(best)

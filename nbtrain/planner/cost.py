@@ -17,13 +17,15 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   sequence parallelism divides them by ``tp`` except the hidden-sized tensors every rank holds whole (a block's
   norms' inputs and outputs: four hidden states), with it (``sp``) all of a block's (§4.2.2: ``34sbh/t +
   5as²b/t``); with checkpointing only the layer's input is kept, whole (under ``sp`` a block's ``1/tp`` of it);
-  with ``ac=op`` (per-op selective) also the outputs of the matmuls and attention.
+  with ``ac=op`` (per-op selective, torchtitan's policy) also the outputs of attention and of every other projection.
   Micro-batches in flight: GPipe all ``m``; 1F1B stage ``i`` holds ``min(pp − i, m)`` (Narayanan et al. 2021).
 * **Transient peak**: while one layer runs backward it holds its gathered parameters (ZeRO-3), its unsharded
   gradients (before the reduce-scatter), and with checkpointing its recomputed activations (``ac=op``: the part
   it did not keep). A stage's memory is
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
-* **The loss** (the head's): :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``.
+* **The loss** (the head's): :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``; under
+  TP on the logits split over the vocabulary when the loss is nbtrain's own (:mod:`nbtrain.run.parallel.vocab_parallel`,
+  Megatron-LM's parallel cross-entropy), else on whole logits gathered on every rank.
 * **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
   training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
   constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
@@ -33,8 +35,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   (:mod:`nbtrain.planner.compute_time`); else (a CPU, an old profile) FLOPs / sustained FLOP/s; or, when the
   profile was measured on this machine's device and the cluster is this machine, each layer's measured time scaled
   by FLOPs to the micro-batch (Galvatron-BMW profiles compute so; ``CostOptions.measured_compute``);
-  checkpointing adds one forward (Chen et al. 2016), or for ``ac=op`` the other ops' recomputation
-  (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
+  checkpointing adds one forward (Chen et al. 2016), or for ``ac=op`` the recomputation of the dropped projections and
+  the other ops (:mod:`nbtrain.planner.selective_cost`). ``ac=1/k`` is per-layer ``ac``.
 * **TP**: 2 all-reduces of the hidden state per block in forward and again in backward (Shoeybi et al. 2019; ``sp``:
   all-gathers and reduce-scatters of the same bytes, Korthikanti et al. 2022 §4.2.2); embeddings and head one each
   way (``sp``: an all-gather more); as measured where it was (:mod:`nbtrain.planner.link_costs`). Ring cost
@@ -71,7 +73,8 @@ from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reserve import reserve_parts
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
-from nbtrain.planner.selective_cost import kept_per_rank, recompute_seconds, split_over_tp
+from nbtrain.planner.selective_cost import (kept_per_rank, matmul_recompute_seconds, recompute_seconds,
+                                           split_over_tp)
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -173,16 +176,14 @@ class CostModel:
                         + recomputed)
 
         fwd, bwd = self._compute(index, s, b)
-        compute = fwd + bwd + (recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b),
-                                                 prof.kind, s.tp, c, fwd, self.slowdown) if s.ac == "op" else
-                               fwd if s.ac else 0.0)
+        compute = fwd + bwd + (self._selective_recompute(index, s, b, fwd) if s.ac == "op" else fwd if s.ac else 0.0)
 
         passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward (ac=op recomputes the collectives)
         world, links = c.num_devices, self.links
         hidden = self._hidden(index, b)
         tp_comm = tp_seconds(links, world, s, prof.kind, hidden=hidden,
                              output=self._eval(index, "output_bytes", b), pairs=self._arch_list("tp_pairs", index, 2),
-                             gathers_output=index in (self.profile.arch.get("tp_gathers_output") or ()),
+                             gathers_output=self._gathers_output(index),
                              passes=passes, sequence_parallel=split) if s.tp > 1 else 0.0
         if tp_comm is None:  # 4 ring passes per block and pass: 2 all-reduces (sp: 2 all-gathers, 2 reduce-scatters)
             tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp),
@@ -196,26 +197,48 @@ class CostModel:
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
+    def _selective_recompute(self, index: int, s: Strategy, b: float, fwd: float) -> float:
+        """Seconds ``ac=op``'s backward spends recomputing: the ops other than matmuls and attention by the bytes they
+        write, and the projection matmuls it dropped by their FLOPs (:mod:`nbtrain.planner.selective_cost`)."""
+        prof, c = self.profile.layers[index], self.cluster
+        memory_bound = recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b), prof.kind,
+                                         s.tp, c, fwd, self.slowdown)
+        dropped = self._eval(index, "recompute_matmul_flops", b) if "recompute_matmul_flops" in prof.scaling else 0
+        by_kernel = not self.measured and priced(c) and layer_work(prof, b, self.seq_len) is not None
+        matmuls = matmul_recompute_seconds(dropped, self._eval(index, "flops_fwd", b), fwd, s.tp, c, by_kernel)
+        return min(memory_bound + matmuls * (self.slowdown if by_kernel else 1.0), fwd)
+
     def _loss_bytes(self, index: int, s: Strategy, b: float, full_act: float) -> tuple[float, float]:
         """The head's loss (:func:`~nbtrain.planner.memory_terms.loss_bytes`) on one TP rank; (0, 0) elsewhere."""
         if self.profile.layers[index].kind != "head":
             return 0.0, 0.0
-        split = s.tp if index not in (self.profile.arch.get("tp_gathers_output") or ()) else 1
+        split = 1 if self._gathers_output(index) else s.tp
         return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act)
+
+    def _gathers_output(self, index: int) -> bool:
+        """Whether tensor parallelism gathers the layer's output whole on every rank: an LM head's logits, unless
+        the loss is nbtrain's own, which runs on the logits split over the vocabulary
+        (:mod:`nbtrain.run.parallel.vocab_parallel`; the profile says, ``arch["vocab_parallel_loss"]``)."""
+        arch = self.profile.arch
+        return index in (arch.get("tp_gathers_output") or ()) and not arch.get("vocab_parallel_loss")
 
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
         """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism without ``sp``
         splits what the heads and the MLP's inner width compute; the hidden-sized tensors around them are whole on
         every rank: a block's two norms' inputs and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh
-        counts two dropout masks besides), a head's input. A block with ``sp`` splits those along the sequence
+        counts two dropout masks besides), a head's input, and a head that gathers its logits the loss's copy of
+        them (:meth:`_gathers_output`). A block with ``sp`` splits those along the sequence
         too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``)."""
         full = self._eval(index, "activation_bytes", b)
         if s.tp == 1:
             return full
-        if s.sp and self.profile.layers[index].kind == "block":
+        kind = self.profile.layers[index].kind
+        if s.sp and kind == "block":
             return full / s.tp
-        return split_over_tp(full, (4 if self.profile.layers[index].kind == "block" else 1) * self._hidden(index, b),
-                             s.tp)
+        whole = (4 if kind == "block" else 1) * self._hidden(index, b)
+        if self._gathers_output(index):  # the loss's fp32 log-probabilities of the gathered logits, whole too
+            whole += self._eval(index, "output_bytes", b) * 4 / self.e
+        return split_over_tp(full, whole, s.tp)
 
     def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
         """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time

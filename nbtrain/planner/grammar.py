@@ -22,7 +22,8 @@ Grammar (tokens are separated by whitespace, with no spaces around ``=``; keys i
   (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding). ``sp`` (sequence parallelism,
   a flag like ``ac``) needs ``tp`` > 1: ``0: tp=2; 1-12: tp=2 sp; 13: tp=2``.
 - Checkpointing: ``ac`` recomputes the whole layer in backward (keeping its input); ``ac=op`` is per-op selective
-  checkpointing (torchtitan's "op" SAC): the outputs of the matmuls and attention are kept, the rest recomputed;
+  checkpointing (torchtitan's "op" SAC): the outputs of attention and of every other projection
+  matmul are kept, the rest recomputed;
   ``ac=1/k`` is full checkpointing on every k-th layer of its range (the k-th, 2k-th, ..., as torchtitan's
   "selective layer" option counts them), expanded to per-layer strategies: ``0-3: ac=1/2`` prints back as
   ``0: dp_replicate=1; 1: ac; 2: dp_replicate=1; 3: ac``.
@@ -225,7 +226,8 @@ def _value(key: str, value: str, token: str):
     return fraction
 
 
-_AC_FORMS = "'ac' (full recomputation), 'ac=op' (save matmul and attention outputs, recompute the rest) or " \
+_AC_FORMS = "'ac' (full recomputation), 'ac=op' (save attention and every other projection's outputs, recompute " \
+            "the rest) or " \
             "'ac=1/2' (full recomputation on every 2nd layer)"
 
 

@@ -2,8 +2,8 @@
 its backward spends recomputing what it did not keep. :class:`nbtrain.planner.cost.CostModel` calls these with
 the profiled ``selective_bytes`` and ``recompute_bytes`` (:mod:`nbtrain.profiler.selective`).
 
-    >>> kept_per_rank(selective=300, hidden=50, kind="block", tp=2, full=1000)   # 150 whole + 150 / 2
-    225.0
+    >>> kept_per_rank(selective=300, hidden=50, kind="block", tp=2, full=1000)   # 100 whole + 200 / 2
+    200.0
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ def split_over_tp(nbytes: float, whole: float, tp: int) -> float:
 
 
 def kept_per_rank(selective: float, hidden: float, kind: str, tp: int, full: float) -> float:
-    """Bytes one TP rank keeps under ``ac=op`` of the profiled ``selective`` bytes (the layer's input and its
-    matmuls' and attention's outputs), split as the executor splits them: the input (``hidden`` bytes) and a block's
-    two row-parallel outputs (attention projection, MLP down: partial sums of the whole hidden state before their
-    all-reduce) are whole on every rank, the heads' and the MLP's inner outputs divided by ``tp``. Never more than
-    the ``full`` bytes the layer saves on that rank without checkpointing."""
-    return min(split_over_tp(selective, (3 if kind == "block" else 1) * hidden, tp), full)
+    """Bytes one TP rank keeps under ``ac=op`` of the profiled ``selective`` bytes (the layer's input and the outputs
+    of attention and every other projection), split as the executor splits them: the input (``hidden`` bytes) and a
+    block's kept row-parallel output are whole on every rank, the heads' and the MLP's inner outputs divided by
+    ``tp``. Of a block's two row-parallel projections (attention out, MLP down: partial sums of the whole hidden
+    state before their all-reduce) every other matmul is kept, which is one of them in a Llama block (``o`` is the
+    4th of 7, dropped; ``down`` the 7th, kept); nbtrain counts one. Never more than the ``full`` bytes the layer
+    saves on that rank without checkpointing."""
+    return min(split_over_tp(selective, (2 if kind == "block" else 1) * hidden, tp), full)
 
 
 def recompute_seconds(written: float, hidden: float, kind: str, tp: int, cluster: Cluster, fwd: float,
@@ -53,3 +55,16 @@ def recompute_seconds(written: float, hidden: float, kind: str, tp: int, cluster
     bandwidth = cluster.memory_bandwidth or (cluster.host_to_device_bandwidth if cluster.device == "cpu" else None)
     seconds = written / bandwidth * slowdown if bandwidth else NON_MATMUL_SHARE * fwd
     return min(seconds, fwd)
+
+
+def matmul_recompute_seconds(flops: float, layer_flops: float, fwd: float, tp: int, cluster: Cluster,
+                             by_kernel: bool) -> float:
+    """Seconds ``ac=op`` spends in backward recomputing the projection matmuls it dropped (``flops`` of them, profiled
+    as ``recompute_matmul_flops``) on one of ``tp`` ranks: at the achievable matmul rate where compute is priced by
+    kernel (``by_kernel``: a catalog or detected GPU), else at the layer's own forward rate (``fwd`` seconds for its
+    ``layer_flops``: measured here, or FLOPs over the sustained rate)."""
+    if not flops:
+        return 0.0
+    if by_kernel:
+        return flops / tp / cluster.sustained_flops
+    return fwd * flops / layer_flops if layer_flops else 0.0

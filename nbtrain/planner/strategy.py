@@ -87,8 +87,8 @@ class Strategy:
                                    "state) or zero=3 (also shard parameters)")
         if not (self.ac in (True, False) or isinstance(self.ac, str) and self.ac in AC_MODES):
             raise InvalidPlanError(f"ac={self.ac!r} is not valid: activation checkpointing is False (none), True "
-                                   "(full recomputation) or 'op' (save matmul and attention outputs, recompute the "
-                                   "rest)")
+                                   "(full recomputation) or 'op' (save attention and every other projection's outputs, "
+                                   "recompute the rest)")
         try:
             offload = float(self.offload)
         except (TypeError, ValueError):

@@ -217,6 +217,8 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                                    scaling=fits[i], tied=tuple(tied[i]), **measured))
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
     arch.update(planner_facts(describe(model, tp_plan)))  # what the executor can split and cut, for the planner
+    # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
+    arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
     return ModelProfile(
         model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
         dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),

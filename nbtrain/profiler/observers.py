@@ -102,10 +102,11 @@ class SavedBytes:
     parameters are not activations and are skipped.
     """
 
-    def __init__(self, parameters):
+    def __init__(self, parameters, also=None):
         self.per_segment: dict[int, int] = defaultdict(int)
         self.segment = 0
         self._seen = {self._key(p) for p in parameters}
+        self._also = also  # told of every saved tensor (SelectiveCounter.saved: how far a recomputation goes)
 
     @staticmethod
     def _key(t: torch.Tensor) -> int:
@@ -115,6 +116,8 @@ class SavedBytes:
         self.segment = segment
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._also is not None:
+            self._also(t)
         key = self._key(t)
         if key not in self._seen:
             self._seen.add(key)

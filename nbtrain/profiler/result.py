@@ -23,7 +23,10 @@ QUANTITIES = ("flops_fwd", "flops_bwd", "activation_bytes", "output_bytes", "sel
 # loads without them, and the planner then falls back to FLOPs over the sustained rate.
 KERNEL_QUANTITIES = tuple(f"{q}_{d}" for q in ("matmul_flops", "matmul_bytes", "attention_flops", "memory_bytes",
                                                "kernels") for d in ("fwd", "bwd"))
-FITTED = QUANTITIES + KERNEL_QUANTITIES
+# The FLOPs of the projection matmuls ``ac=op`` drops and recomputes (nbtrain.profiler.selective), likewise kept in
+# ``scaling`` only: a profile saved before it was counted prices ``ac=op`` as keeping every matmul.
+RECOMPUTE_QUANTITIES = ("recompute_matmul_flops",)
+FITTED = QUANTITIES + KERNEL_QUANTITIES + RECOMPUTE_QUANTITIES
 """Every quantity the profiler fits as a :class:`Scaling` per layer."""
 
 # Transformer costs are sums of these terms: per-token work (b·s), attention scores (b·s²), per-sequence work

@@ -118,8 +118,8 @@ def count(step: Step, b: int, s: int) -> Counts:
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
-        flops, saved = FlopObserver(), SavedBytes(params.values())
         selective, kernels = SelectiveCounter(), KernelCounter()
+        flops, saved = FlopObserver(), SavedBytes(params.values(), also=selective.saved)
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(note_module))
         stack.enter_context(flops.counter)
         stack.enter_context(kernels)  # inside the FLOP counter: it sees the ops as they are dispatched
@@ -138,6 +138,7 @@ def count(step: Step, b: int, s: int) -> Counts:
         "output_bytes": outputs,
         "selective_bytes": {i: inputs[i] + selective.kept[i] for i in range(n)},
         "recompute_bytes": {i: selective.recomputed[i] for i in range(n)},
+        "recompute_matmul_flops": {i: selective.recomputed_matmul_flops[i] for i in range(n)},
         **kernels.finish(n),
     }
     return Counts(values, module_segment)

@@ -70,6 +70,7 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
 
     from nbtrain.run.parallel.mesh import PlanMeshes
     from nbtrain.run.parallel.parallelize import parallelize
+    from nbtrain.run.parallel.vocab_parallel import takes_vocab_parallel_loss
     from nbtrain.run.placement import peak_memory
     from nbtrain.run.state.hf_folder import save_hf_folder
     from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, meta_twin
@@ -87,7 +88,8 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
     example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None
-    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example, values=values)
+    model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example, values=values,
+                        split_logits=takes_vocab_parallel_loss(plan, run.loss_fn))
     if run.weights is not None:  # each rank reads the part it holds
         load_weights(model, run.weights, mine)
     materialized = peak_memory(meshes.device)

@@ -31,6 +31,7 @@ from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.models.adapters import detect_family
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
+from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss_context
 from nbtrain.gradients import clip_grad_norm
 from nbtrain.profiler.trace import call_model
 from nbtrain.run.tensor_memory import SavedActivations, state_bytes
@@ -146,6 +147,7 @@ class Trainer:
             self.pipeline = PipelineRunner(model, plan, meshes, self._pipeline_loss)
         # what every training forward passes (use_cache=False: a Hugging Face model builds no KV cache in training)
         self.forward_kwargs = detect_family(getattr(model, "module", model)).forward_kwargs
+        self.split_logits = has_split_logits(model)  # the loss runs on logits split over the vocabulary
         self._counted: int | None = None  # targets that count in this step's global batch (see counted_targets)
 
     @property
@@ -237,7 +239,7 @@ class Trainer:
     def _forward_backward(self, ids, targets) -> torch.Tensor:
         """Forward and backward of this rank's share of the batch: the loss it holds (zero where it holds none)."""
         if self.pipeline is not None:
-            with self.autocast:
+            with self.autocast, loss_context(self.split_logits):
                 loss = self.pipeline.step(ids, targets)
             # the last stage's ranks hold their slice's loss; the others add nothing, and each slice's loss is
             # held by its D / dp tensor-parallel ranks: the sum over the world / D is the mean over the slices
@@ -264,8 +266,8 @@ class Trainer:
         m = self.plan.microbatches
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(chunk_rows(ids, m), chunk_rows(targets, m))):
-            with self._gradient_sync(i == m - 1), self.autocast:
+            with self._gradient_sync(i == m - 1), self.autocast, loss_context(self.split_logits):
                 loss = self.loss_fn(call_model(self.model, x, self.forward_kwargs), y) * self._share(y)
                 loss.backward()
-            total += loss.detach()
+            total += as_local(loss.detach())
         return total

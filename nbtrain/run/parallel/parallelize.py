@@ -43,17 +43,18 @@ from nbtrain.models.stages import stage_layers
 from nbtrain.models.tensor_parallel import sequence_style, style_for
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
-from nbtrain.profiler.selective import SAVED_OPS
+from nbtrain.profiler.selective import LINEAR_MATMULS, keeps
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import place_module
 from nbtrain.run.state.materialize import FromModel, Initialize, materialize
 from nbtrain.run.parallel.relayout import add_relayout, whole
 from nbtrain.run.parallel.traced_stages import traced_stage, write_back
+from nbtrain.run.parallel.vocab_parallel import SPLIT_LOGITS, vocab_parallel_style
 
 
 def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
                 mixed_precision: MixedPrecisionPolicy | None = None, tp_plan: dict[str, str] | None = None,
-                example=None, values: FromModel | Initialize | None = None) -> nn.Module:
+                example=None, values: FromModel | Initialize | None = None, split_logits: bool = False) -> nn.Module:
     """Apply ``plan`` to the layers of ``model`` that this process's pipeline stage runs (all when pp = 1), as
     :func:`~nbtrain.models.description.describe` cuts them (``tp_plan``: the user's tensor-parallel plan).
     A model whose stages are traced (``describe(model).stages == "traced"``) is traced on ``example``, one
@@ -71,7 +72,12 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
 
     ``values``: for a model on the meta device (:func:`~nbtrain.run.state.materialize.meta_twin`), where this rank's
     tensors get their values once the plan is applied and they are allocated on its device
-    (:mod:`nbtrain.run.state.materialize`): only this stage's layers, only this rank's shards."""
+    (:mod:`nbtrain.run.state.materialize`): only this stage's layers, only this rank's shards.
+
+    ``split_logits``: a tensor-parallel head (an ``nn.Linear`` whose style gathers its output) keeps its logits split
+    over the vocabulary for the vocabulary-parallel loss (:mod:`nbtrain.run.parallel.vocab_parallel`;
+    :func:`~nbtrain.run.parallel.vocab_parallel.takes_vocab_parallel_loss` says when); the model is marked, and
+    :func:`~nbtrain.run.parallel.vocab_parallel.has_split_logits` tells the trainer."""
     description = describe(model, tp_plan)
     layers, ties = description.layers, description.ties
     check_plan(model, plan, description)
@@ -108,6 +114,10 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         if s.tp > 1:
             for name, style in description.tensor_parallel[i]:
                 module = model.get_submodule(name)
+                if split_logits and i == last and style == "colwise_gather_output" and isinstance(module, nn.Linear):
+                    parallelize_module(module, mesh["tp"], vocab_parallel_style())
+                    model.__dict__[SPLIT_LOGITS] = True
+                    continue
                 parallelize_module(module, mesh["tp"], sequence_style("rowwise_sequence_output")
                                    if split_sequence and style == "rowwise" else style_for(module, style))
             for name, role in description.sequence_parallel[i] if split_sequence else ():
@@ -173,22 +183,33 @@ def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: Pla
     place_module(traced.module, meshes.device, skip={p for p in traced.module.parameters() if id(p) not in used})
 
 
-def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The ``ac=op`` policy: keep the outputs of the matmuls and attention
-    (:data:`nbtrain.profiler.selective.SAVED_OPS`, what the profiler counts as kept), recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def op_policy():
+    """A fresh ``ac=op`` policy for one checkpointed call: keep attention's and every other projection matmul's
+    outputs (:func:`nbtrain.profiler.selective.keeps`, what the profiler counts as kept), recompute the rest. The
+    recomputation counts its matmuls afresh, so it drops the same ones (torchtitan's policy, per call)."""
+    counts = {False: 0, True: 0}  # projection matmuls so far, in forward and in the recomputation
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in LINEAR_MATMULS:
+            counts[ctx.is_recompute] += 1
+        return CheckpointPolicy.MUST_SAVE if keeps(op, counts[ctx.is_recompute]) else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _op_contexts():
+    return create_selective_checkpoint_contexts(op_policy())
 
 
 def checkpoint_kwargs(mode) -> dict:
     """What ``torch.utils.checkpoint.checkpoint`` is called with for ``Strategy.ac`` = ``mode`` (True or ``"op"``):
     non-reentrant, and for ``"op"`` a fresh pair of selective-checkpoint contexts each call (they hold that call's
-    saved outputs).
+    saved outputs and its policy's count of matmuls).
 
         >>> y = checkpoint(nn.Linear(4, 4), torch.randn(2, 4), **checkpoint_kwargs("op"))  # keeps the addmm's output
     """
     if mode == "op":
-        return {"use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts,
-                                                                         save_matmuls)}
+        return {"use_reentrant": False, "context_fn": _op_contexts}
     return {"use_reentrant": False}
 
 

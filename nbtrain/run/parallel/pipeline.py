@@ -34,6 +34,7 @@ from nbtrain.models.stages import stage_layers
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.trace import call_arguments
 from nbtrain.run.batches import chunk_rows
+from nbtrain.run.parallel.vocab_parallel import as_local
 from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.run.parallel.parallelize import add_fsdp_root
 
@@ -126,7 +127,7 @@ class PipelineRunner:
         else:
             self.schedule.step()
         self.sync_tied()
-        return torch.stack(losses).mean().detach() if self.last else None
+        return torch.stack([as_local(loss) for loss in losses]).mean().detach() if self.last else None
 
 
 def _embedding_group(plan: Plan, meshes: PlanMeshes):

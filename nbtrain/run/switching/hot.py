@@ -53,6 +53,7 @@ from nbtrain.planner.strategy import Strategy
 from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.models.description import layer_slots
 from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
+from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss_context
 from nbtrain.run.placement import reset_peak_memory, synchronize, to_device
 from nbtrain.run.switching.reshard import Resharding
 from nbtrain.gradients import clip_grad_norm, group_by_kind
@@ -110,7 +111,9 @@ class _Layout:
         self.strategy = strategy
         self.plan = Plan(num_devices=dist.get_world_size(), layers=(strategy,) * n)
         self.meshes = PlanMeshes(self.plan)
-        self.wrapped = parallelize(model, self.plan, self.meshes, values=values)
+        # the step's cross-entropy is nbtrain's own: on logits split over the vocabulary under TP (vocab_parallel.py)
+        self.wrapped = parallelize(model, self.plan, self.meshes, values=values, split_logits=True)
+        self.split_logits = has_split_logits(model)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dp_rank = self.meshes.dp_rank(0)
@@ -323,13 +326,14 @@ class HotSwitching:
         """Backward of these rows' summed cross-entropy × dp / the step's tokens; returns that sum / tp (summed
         over every rank, the step's total: each row's sum is held by its tp ranks)."""
         s = layout.strategy
-        output = layout.wrapped(ids) if doc_ids is None else layout.wrapped(ids, doc_ids=doc_ids)
-        logits = getattr(output, "logits", None)
-        logits = first_tensor(output) if logits is None else logits
-        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                 ignore_index=-100, reduction="sum")
-        (summed * s.dp / tokens).backward()
-        return summed.detach().double() / s.tp
+        with loss_context(layout.split_logits):
+            output = layout.wrapped(ids) if doc_ids is None else layout.wrapped(ids, doc_ids=doc_ids)
+            logits = getattr(output, "logits", None)
+            logits = first_tensor(output) if logits is None else logits
+            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                     ignore_index=-100, reduction="sum")
+            (summed * s.dp / tokens).backward()
+        return as_local(summed.detach()).double() / s.tp
 
     def _add_gradients(self, strategy: Strategy, layout: _Layout) -> None:
         """Add the strategy's (synced) gradients into the home model's ``.grad``, then drop them."""
