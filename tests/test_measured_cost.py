@@ -16,6 +16,7 @@ from nbtrain.errors import InvalidArgumentError
 from nbtrain.planner.cost import CostModel
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.recommend import plan as recommend
+from nbtrain.planner.search import search
 from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.collectives import Link, Links, fit_line
 from nbtrain.profiler.hardware import Cluster
@@ -129,6 +130,25 @@ def test_fsdp_pays_its_measured_gather_and_reduce_per_layer_and_per_parameter_by
         6 * (0.001 + layer_bytes / (1000 * MB) + 0.002 + layer_bytes / (500 * MB)))
     assert model.estimate(zero2).time.zero3_comm == pytest.approx(
         6 * (0.001 + layer_bytes / (1000 * MB) + 0.0015 + layer_bytes / (800 * MB)))
+
+
+def test_every_pipeline_stage_pays_the_measured_schedule_work_per_micro_batch_in_the_plan_and_the_search():
+    prof = toy()
+    per_microbatch = 0.0005  # torch.distributed.pipelining's own work, measured here (link_bench: pp_microbatch)
+    links = measured({"pp_microbatch": (per_microbatch, 100 * MB), "p2p": (0.0, 1e12)})
+    text = "pp=2 mb=4 | 0-2: dp_replicate=1; 3-5: dp_replicate=1"
+    plan = Plan.parse(text, num_devices=2, num_layers=6, global_batch=8, seq_len=64)
+    without = CostModel(prof, cpu(links=measured({"p2p": (0.0, 1e12)})), global_batch=8).estimate(plan)
+    paid = CostModel(prof, cpu(links=links), global_batch=8).estimate(plan)
+    # every stage per micro-batch: the step's 4 micro-batches of the slowest stage and the other stage's first one
+    assert paid.step_time_s - without.step_time_s == pytest.approx((4 + 1) * per_microbatch)
+    # the search weighs it too: free, more micro-batches shrink the bubble; dear, fewer of them pay it less often
+    options = SearchOptions(pp_degrees=(2,), microbatches=(2, 8))
+    free, = search(prof, cpu(links=measured({"p2p": (0.0, 1e12)})), global_batch=8, seq_len=64, options=options,
+                   top=1)
+    dear, = search(prof, cpu(links=measured({"pp_microbatch": (0.05, 100 * MB), "p2p": (0.0, 1e12)})),
+                   global_batch=8, seq_len=64, options=options, top=1)
+    assert (free.microbatches, dear.microbatches) == (8, 2)
 
 
 @pytest.mark.parametrize("slow", ["fsdp", "ddp"])

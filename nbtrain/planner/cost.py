@@ -55,7 +55,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   copy bandwidth), and the device's own share of the update takes the same cores' time (``Time.update``).
 * **Re-layout** between consecutive layers whose (dp, tp, sp) layout differs: the hidden state moves once forward,
   once backward (Galvatron-BMW's transformation cost); one all-gather over ``tp`` where only ``sp`` differs.
-* **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch; step time
+* **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch, and pays the
+  schedule's own work per micro-batch where it was measured (:meth:`CostModel.schedule_overhead`); step time
   ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (GPipe, Huang et al. 2019; the same bubble for 1F1B). Once-per-step costs (the
   gradient sync, the offloaded update) are spread over the ``m`` micro-batches of their stage, which is exact
   for ``pp = 1`` and keeps every stage's time a sum over its layers, so the search stays exact.
@@ -328,6 +329,14 @@ class CostModel:
         return 2 * (nbytes / c.intra_node_bandwidth + c.collective_latency_s if same_node else
                     nbytes / c.inter_node_bandwidth + c.inter_node_latency_s) + gather
 
+    def schedule_overhead(self) -> float:
+        """Seconds per micro-batch that the pipeline schedule itself costs each stage, as measured on this machine
+        (``pp_microbatch``: ``torch.distributed.pipelining``'s own work per micro-batch, the fixed part of its fit;
+        the hidden state's transfer is :meth:`p2p`'s); 0 where it was not measured (a catalog cluster: there the
+        schedule's host-side work runs ahead of a GPU's kernels)."""
+        measured = self.links.find("pp_microbatch", 2, self.cluster.num_devices)
+        return measured.latency_s if measured is not None and self.cluster.num_nodes == 1 else 0.0
+
     def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:
         return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
 
@@ -344,6 +353,8 @@ class CostModel:
                 time = time + Time(relayout=self.relayout(j, plan.layers[j - 1], plan.layers[j], plan.microbatches))
         if i < plan.pp - 1:
             time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp, i))
+        if plan.pp > 1:
+            time = time + Time(pp_comm=self.schedule_overhead())
         if plan.pp > 1 and i == plan.pp - 1 and self.profile.layers[-1].tied:
             memory = memory + self._tied_copy(plan.layers[-1])
         host = sum(cost.host_bytes for cost in costs)

@@ -147,7 +147,8 @@ class _Solver:
         if len(f) == 0 or f.previous is None:
             return np.inf, -1
         last = stage == self.task.pp - 1
-        t = f.time + (0.0 if last else self.p2p[self.kind[end - 1]][stage][f.layout])
+        t = f.time + (0.0 if last else self.p2p[self.kind[end - 1]][stage][f.layout]) + \
+            (self.model.schedule_overhead() if self.task.pp > 1 else 0.0)
         i = int(np.argmin(t))
         return float(t[i]), i
 

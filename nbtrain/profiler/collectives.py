@@ -30,6 +30,9 @@ collectives). The operations:
 ``fsdp_clip``       the same for a block sharded by FSDP2
 ``ddp_backward``    what ``DistributedDataParallel`` adds to a backward (4 Linear layers over 256 tokens) whose
                     gradients are ``bytes``: its bucketed all-reduces, less what hid under the compute
+``pp_microbatch``  what one more micro-batch costs a stage of a 2-stage ``torch.distributed.pipelining`` 1F1B
+                    schedule beyond its compute, by the ``bytes`` of hidden state the stages exchange: the
+                    schedule's own work per micro-batch and the send and receive each way
 ==================  ===========================================================================================
 
 ``overlap`` is the fraction of an asynchronous all-reduce that hides under a matmul loop running beside it (gloo
@@ -184,7 +187,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 
 
 def cache_file(world_size: int):

@@ -26,6 +26,8 @@ LAYER_WIDTHS = (128, 256, 512)  # Linear(h, h) layers of 64 KiB, 256 KiB, 1 MiB 
 TP_SHAPES = ((256, 128), (512, 192), (1024, 256))  # (tokens, hidden) for the TP pair: 128 KiB to 1 MiB of state
 TP_BLOCKS = ((4, 64, 128), (8, 128, 128), (8, 128, 256))  # (batch, seq, hidden): 128 KiB to 1 MiB of state
 DDP_WIDTHS = (256, 512, 768)  # 4 Linear(h, h) layers: 1, 4 and 9 MiB of fp32 gradients
+PP_WIDTHS = (64, 256, 1024)  # a micro-batch of 4 × 32 tokens of width h: 32 KiB to 512 KiB sent between stages
+PP_MICROBATCHES = (2, 8)
 REPEATS = 9
 
 
@@ -266,11 +268,46 @@ def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
     return found
 
 
+def _pipeline_microbatch(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what one more micro-batch costs a 2-stage pipeline of
+    ``torch.distributed.pipelining`` (1F1B, as the executor runs it) beyond its compute, by the bytes of the hidden
+    state the stages exchange: the schedule's own work per micro-batch (its actions, shape checks, the loss call, a
+    backward call per micro-batch) and the send and receive each way. Each stage is one Linear layer, so the
+    difference between 8 and 2 micro-batches of the same shape, less those micro-batches' compute timed alone, is
+    the schedule's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    found = []
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("outer", "pp"))
+    group, stage = mesh.get_group("pp"), mesh.get_local_rank("pp")
+    for h in PP_WIDTHS:
+        torch.manual_seed(0)
+        layer = nn.Linear(h, h)
+        x = torch.randn(4, 32, h)
+        alone = _timed(lambda: layer(x).sum().backward(), dist.barrier)  # one micro-batch's compute, one stage
+        seconds = {}
+        for m in PP_MICROBATCHES:
+            pipe = PipelineStage(layer, stage, 2, torch.device("cpu"), group=group)
+            schedule = Schedule1F1B(pipe, n_microbatches=m, loss_fn=lambda out, target: out.sum())
+            batch = torch.randn(4 * m, 32, h)
+
+            def step():
+                if stage == 0:
+                    schedule.step(batch)
+                else:
+                    schedule.step(target=batch, losses=[])
+            seconds[m] = _slowest(_timed(step, lambda: dist.barrier(group=group)))
+        low, high = PP_MICROBATCHES
+        per_microbatch = (seconds[high] - seconds[low]) / (high - low) - alone
+        found.append(("pp_microbatch", 2, 4 * 32 * h * 4, max(0.0, per_microbatch)))
+    return found
+
+
 def measure_in_worker(world: int) -> tuple[list, float]:
     """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
     torch.set_num_threads(1)
     return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _fsdp_blocks(world)
-            + _ddp_backward(world)), _compute_slowdown()
+            + _ddp_backward(world) + _pipeline_microbatch(world)), _compute_slowdown()
 
 
 def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:
