@@ -62,6 +62,14 @@ def mistral():
     return MistralForCausalLM(MistralConfig(**SIZES, num_key_value_heads=2))
 
 
+def mixtral():
+    """A transformers Mixtral: a mixture of 4 experts, 2 a token (transformers' grouped_mm experts), untied head."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(**SIZES, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+
+
 def phi3():
     """A transformers Phi-3: fused ``qkv_proj`` and ``gate_up_proj``. Its default pad and end ids (32000) lie outside a
     128-token vocabulary (the embedding would have no padding row, and transformers warns)."""

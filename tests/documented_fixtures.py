@@ -538,6 +538,16 @@ meshes = PlanMeshes(plan)
 ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
 targets = ids.roll(-1, dims=1)
 '''),
+    "nbtrain.run.parallel.vocab_parallel": Workers(2, '''\
+from nbtrain.planner.plan import Plan
+from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.parallel.parallelize import parallelize
+plan = Plan.parse("tp=2", num_devices=2, num_layers=6)
+model = nbtrain.build_preset("llama-tiny", device="cpu")
+meshes = PlanMeshes(plan)
+ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+targets = ids.roll(-1, dims=1)
+'''),
     "nbtrain.run.parallel.pipeline": Workers(2, '''\
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.parallel.parallelize import parallelize

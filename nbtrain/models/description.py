@@ -34,7 +34,8 @@ from torch import nn
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import ModelFamily, detect_family
-from nbtrain.models.tensor_parallel import check_style, matched_plan, split_dimension
+from nbtrain.models.tensor_parallel import (check_style, matched_plan, split_dimension, unknown_styles,
+                                             unknown_styles_reason)
 
 Slot = tuple[nn.Module, str]
 """``(parent, attribute)``: where a module of a layer sits, so a wrapper can replace it."""
@@ -266,6 +267,8 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
             "%%autoparallel --tp-plan NAME)"
     elif len(layers) <= 2:
         why = f"{kind} has no list of repeated blocks for tensor parallelism to split"
+    if tp_plan is None and unknown_styles(plan) and len(layers) > 2:  # the model's own plan splits its blocks in a
+        why = unknown_styles_reason(model, plan)  # way nbtrain does not run
     if family.name == "hf-gpt2" and getattr(model.config, "add_cross_attention", False):
         why = "GPT-2 blocks with cross-attention have no tensor-parallel split in nbtrain yet"
     stages, no_pipeline = _stages(model, family, layers)

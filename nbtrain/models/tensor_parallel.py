@@ -62,11 +62,15 @@ def _pattern(name: str) -> re.Pattern:
 
 def matched_plan(model: nn.Module, plan: dict[str, str], prefix: str = "", strict: bool = True) -> dict[str, str]:
     """``{module name: style}`` for every module of ``model`` a pattern of ``plan`` names (patterns relative to the
-    submodule ``prefix``); a style nbtrain does not run is an error, and so (``strict``: a user's plan) is a pattern
-    that names no module. A model's own plan may name modules some of its configs do not build."""
+    submodule ``prefix``). With ``strict`` (a user's plan) a style nbtrain does not run is an error, and so is a
+    pattern that names no module; a model's own plan may name modules some of its configs do not build, and styles
+    nbtrain does not run (:func:`unknown_styles` finds them: tensor parallelism is then not offered on those
+    layers), which are left out here."""
     found: dict[str, str] = {}
     names = [name for name, _ in model.named_modules()]
     for pattern, style in plan.items():
+        if style not in STYLES and not strict:
+            continue
         if style not in STYLES:
             raise InvalidPlanError(f"tensor-parallel style {style!r} (for {pattern!r}) is not one nbtrain runs; "
                                    f"use one of {', '.join(STYLES)}")
@@ -78,6 +82,20 @@ def matched_plan(model: nn.Module, plan: dict[str, str], prefix: str = "", stric
                                    f"module of that name (its modules are named like {_examples(names)})")
         found.update((name, style) for name in hits)
     return found
+
+
+def unknown_styles(plan: dict[str, str]) -> dict[str, str]:
+    """The entries of a model's own plan whose style nbtrain does not run (transformers' ``moe_tp_experts``,
+    ``local_colwise``, ...): ``{pattern: style}``."""
+    return {pattern: style for pattern, style in plan.items() if style not in STYLES}
+
+
+def unknown_styles_reason(model: nn.Module, plan: dict[str, str]) -> str:
+    """Why tensor parallelism is not offered on a model whose own plan names styles nbtrain does not run."""
+    named = " and ".join(f"{pattern!r} with {style!r}" for pattern, style in unknown_styles(plan).items())
+    return (f"{type(getattr(model, 'config', None)).__name__}.base_model_tp_plan splits {named}: tensor-parallel "
+            "styles nbtrain does not run yet; plan without tp on the blocks, or give a plan of your own "
+            "(fit(..., tp_plan={...}), %%autoparallel --tp-plan NAME)")
 
 
 def _examples(names: list[str]) -> str:

@@ -69,14 +69,16 @@ from functools import lru_cache
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost_options import CostOptions
 from nbtrain.planner.compute_time import layer_work, priced, seconds
-from nbtrain.planner.link_costs import clip_seconds, fsdp_seconds, gather_seconds, replica_seconds, tp_seconds
+from nbtrain.planner.link_costs import (clip_seconds, fsdp_seconds, gather_seconds, replica_seconds,
+                                        schedule_seconds, tp_seconds)
 from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.plan import Plan
+from nbtrain.planner.plan_checks import check_against
 from nbtrain.planner.reserve import reserve_parts
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
 from nbtrain.planner.selective_cost import (kept_per_rank, matmul_recompute_seconds, recompute_seconds,
                                            split_over_tp)
-from nbtrain.planner.strategy import Strategy, head_split_problem
+from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 
@@ -330,12 +332,8 @@ class CostModel:
                     nbytes / c.inter_node_bandwidth + c.inter_node_latency_s) + gather
 
     def schedule_overhead(self) -> float:
-        """Seconds per micro-batch that the pipeline schedule itself costs each stage, as measured on this machine
-        (``pp_microbatch``: ``torch.distributed.pipelining``'s own work per micro-batch, the fixed part of its fit;
-        the hidden state's transfer is :meth:`p2p`'s); 0 where it was not measured (a catalog cluster: there the
-        schedule's host-side work runs ahead of a GPU's kernels)."""
-        measured = self.links.find("pp_microbatch", 2, self.cluster.num_devices)
-        return measured.latency_s if measured is not None and self.cluster.num_nodes == 1 else 0.0
+        """Seconds per micro-batch the pipeline schedule itself costs each stage (:func:`schedule_seconds`)."""
+        return schedule_seconds(self.links, self.cluster.num_devices, self.cluster.num_nodes)
 
     def in_flight(self, stage: int, pp: int, microbatches: int, schedule: str) -> int:
         return microbatches if schedule == "gpipe" else min(pp - stage, microbatches)
@@ -386,29 +384,8 @@ class CostModel:
                           total, self.budget, self.host_budget, self.reserve_parts)
 
     def check(self, plan: Plan) -> None:
-        """Reject plans this model and cluster cannot take, with what to change."""
-        if plan.num_devices != self.cluster.num_devices:
-            raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but the cluster has "
-                                   f"{self.cluster.num_devices}; write the plan for {self.cluster.num_devices}")
-        if plan.num_layers != len(self.profile.layers):
-            raise InvalidPlanError(f"the plan has {plan.num_layers} layers but {self.profile.model} has "
-                                   f"{len(self.profile.layers)} (embeddings, blocks, head)")
-        arch = self.profile.arch
-        cannot = arch.get("no_tensor_parallel")
-        for i, s in enumerate(plan.layers):
-            if s.tp > 1 and cannot:
-                raise InvalidPlanError(f"layer {i}: tp={s.tp}, but {cannot}; use tp=1")
-            if s.sp and arch.get("no_sequence_parallel") and self.profile.layers[i].kind == "block":
-                raise InvalidPlanError(f"layer {i}: sp, but {arch['no_sequence_parallel']}; leave out 'sp'")
-            layer = self.profile.layers[i]
-            problem = head_split_problem(s.tp, arch.get("n_head"), arch.get("n_kv_head")) \
-                if layer.kind == "block" else ""  # the embedding and the head split the vocabulary, not heads
-            if problem:
-                raise InvalidPlanError(f"layer {i} ({layer.name}) of {self.profile.model}: {problem}")
-            if self.global_batch % (plan.microbatches * s.dp):
-                raise InvalidPlanError(
-                    f"layer {i}: global batch {self.global_batch} is not divisible by microbatches × dp = "
-                    f"{plan.microbatches} × {s.dp} = {plan.microbatches * s.dp}")
+        """Reject plans this model and cluster cannot take, with what to change (:mod:`nbtrain.planner.plan_checks`)."""
+        check_against(plan, self.profile, self.cluster, self.global_batch)
 
 
 def estimate(plan: Plan, profile: ModelProfile, cluster: Cluster, *, global_batch: int | None = None,

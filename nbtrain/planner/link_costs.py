@@ -87,3 +87,12 @@ def clip_seconds(links: Links, world: int, s: Strategy, *, param_bytes: float, l
     if clip is None:
         return 0.0
     return clip.latency_s / layers + param_bytes / clip.bandwidth
+
+
+def schedule_seconds(links: Links, world: int, nodes: int = 1) -> float:
+    """Seconds per micro-batch that a pipeline schedule itself costs each stage, as measured on this machine
+    (``pp_microbatch``: ``torch.distributed.pipelining``'s own work per micro-batch, the fixed part of its fit; the
+    hidden state's transfer is priced apart); 0 where it was not measured (a catalog cluster: there the schedule's
+    host-side work runs ahead of a GPU's kernels)."""
+    measured = links.find("pp_microbatch", 2, world)
+    return measured.latency_s if measured is not None and nodes == 1 else 0.0

@@ -27,6 +27,7 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family
 from nbtrain.models.description import describe, planner_facts
+from nbtrain.models.experts import expert_facts
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.result import FITTED, QUANTITIES, LayerProfile, ModelProfile, Scaling
 from nbtrain.profiler.segments import first_tensor
@@ -204,6 +205,9 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
 
     owned, tied, unused = _attribute_params(step, asked.module_segment)
     notes = [family.note] if family.note else []
+    if asked.expected_routing:
+        notes.append("the experts' tokens depend on the data: each expert is counted at the expected load, k/E of the "
+                     "tokens (a balanced router), in FLOPs and activations")
     if unused:
         notes.append(f"{unused:,} parameters did not take part in the step and are in no layer")
     layers = []
@@ -219,6 +223,13 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     arch.update(planner_facts(describe(model, tp_plan)))  # what the executor can split and cut, for the planner
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
+    moe = expert_facts(model)
+    if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute
+        arch.update(experts=moe.experts, experts_per_token=moe.per_token, expert_params=moe.params)
+    if asked.expected_routing and arch.get("traced_stages") and not arch.get("no_pipeline"):
+        arch["no_pipeline"] = (f"{type(model).__name__} picks its experts' tokens by their values (torch.where on the "
+                               "router's choices), which torch.export cannot cut into pipeline stages")
+        arch["cuts_stages"] = False
     return ModelProfile(
         model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
         dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),

@@ -23,12 +23,26 @@ def _cpu_flash_bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs)
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _grouped_mm(mat_a, mat_b, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm``, the kernel mixture-of-experts layers run their experts with (transformers'
+    ``grouped_mm`` experts, torchtitan's MoE): the rows of ``mat_a`` go to groups of ``mat_b`` (an expert each), so
+    every row is multiplied once, whatever the routing: 2 · numel(a) · N FLOPs, for each of its forms (2-D rows × 3-D
+    experts, 3-D × 3-D, and the 2-D × 2-D of the weights' gradient, grouped along the contracted rows). The routing
+    itself (the offsets) depends on the data; this count does not, so the fake-tensor profile counts it exactly."""
+    numel = 1
+    for size in mat_a:
+        numel *= size
+    return 2 * numel * mat_b[-1]
+
+
 # torch's flop counter knows the CUDA attention kernels but not the CPU flash kernel that
 # scaled_dot_product_attention picks on CPU; count it like the others (2 matmuls forward, 4 backward;
-# causal masking is not subtracted, as in the 12·L·H·Q·T term of Chowdhery et al. 2022, appendix B).
+# causal masking is not subtracted, as in the 12·L·H·Q·T term of Chowdhery et al. 2022, appendix B). Nor (torch
+# 2.13) the grouped matmul of mixture-of-experts layers.
 CPU_ATTENTION_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd,
+    **({aten._grouped_mm: _grouped_mm} if hasattr(aten, "_grouped_mm") else {}),
 }
 
 

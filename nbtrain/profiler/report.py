@@ -38,7 +38,7 @@ def profile_table(prof: ModelProfile) -> Table:
         header += [f"fwd ({prof.measured_on})", "bwd"]
     table = Table(header, align="lrrrrrr" + "rr" * measured)
     table.title = (f"{prof.model} · batch {prof.batch_size} × seq {prof.seq_len} · {prof.dtype} · "
-                   f"{format_count(prof.params)} params · {format_flops(prof.flops_per_step)} per step")
+                   f"{format_count(prof.params)} params{_active(prof)} · {format_flops(prof.flops_per_step)} per step")
     for label, count, layer in _fold(prof.layers):
         row = [label, f"×{count}", format_count(layer.params), format_flops(layer.flops_fwd),
                format_flops(layer.flops_bwd), format_bytes(layer.activation_bytes), format_bytes(layer.output_bytes)]
@@ -65,9 +65,17 @@ def profile_table(prof: ModelProfile) -> Table:
     return table
 
 
+def _active(prof: ModelProfile) -> str:
+    """`` (34.6 M active: 2 of 8 experts a token)`` for a mixture of experts, else nothing."""
+    a = prof.arch
+    if not a.get("experts"):
+        return ""
+    return f" ({format_count(prof.active_params)} active: {a['experts_per_token']} of {a['experts']} experts a token)"
+
+
 def profile_summary(prof: ModelProfile) -> str:
     """``gpt2: 124.44 M params · 14 layers · 7.15 TFLOP/step · activations 3.49 GiB · Adam on one device ...``"""
     total = sum(prof.adam_training_bytes().values())
-    return (f"{prof.model}: {format_count(prof.params)} params · {len(prof.layers)} layers · "
+    return (f"{prof.model}: {format_count(prof.params)} params{_active(prof)} · {len(prof.layers)} layers · "
             f"{format_flops(prof.flops_per_step)}/step · activations {format_bytes(prof.activation_bytes)} · "
             f"Adam on one device {format_bytes(total)} (batch {prof.batch_size} × {prof.seq_len}, {prof.dtype})")

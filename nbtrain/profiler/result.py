@@ -144,6 +144,15 @@ class ModelProfile:
         return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
 
     @property
+    def active_params(self) -> int:
+        """Parameters a token uses: all of them, but in a mixture of experts only ``k`` of each layer's ``E``
+        experts (``arch["experts"]``, ``arch["experts_per_token"]``, ``arch["expert_params"]``)."""
+        a = self.arch
+        if not a.get("experts"):
+            return self.params
+        return self.params - round(a["expert_params"] * (1 - a["experts_per_token"] / a["experts"]))
+
+    @property
     def flops_fwd(self) -> int:
         return sum(layer.flops_fwd for layer in self.layers)
 

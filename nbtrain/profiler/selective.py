@@ -40,7 +40,8 @@ aten = torch.ops.aten
 # reduce-scatters and maxima; nbtrain recomputes those with the rest). CPU flash attention is what SDPA runs on
 # the CPU; the others are the GPU kernels (and the overridable one other accelerators register).
 SAVED_OPS = frozenset(op.default for op in (
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention,
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, getattr(aten, "_grouped_mm", None),
+    aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
     getattr(aten, "_scaled_dot_product_cudnn_attention", None),
     getattr(aten, "_scaled_dot_product_fused_attention_overrideable", None),

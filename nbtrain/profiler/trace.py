@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_map
 
 from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
+from nbtrain.models.experts import expert_facts
+from nbtrain.profiler.routing import ExpectedRouting
 from nbtrain.profiler.kernels import KernelCounter
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor, tensors_in
@@ -53,6 +55,8 @@ class Counts:
     values: dict[str, dict[int, int]]
     module_segment: dict[nn.Module, int]
     """The segment in which each module first ran (to attribute parameters outside the blocks)."""
+    expected_routing: bool = False
+    """Whether data-dependent routing was answered with the expected load (:mod:`nbtrain.profiler.routing`)."""
 
 
 def call_arguments(inputs, kwargs: dict | None = None) -> tuple[tuple, dict]:
@@ -115,6 +119,8 @@ def count(step: Step, b: int, s: int) -> Counts:
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
         stack.enter_context(step.family.fake_tracing())
+        moe = expert_facts(step.model)
+        routing = stack.enter_context(ExpectedRouting(moe.experts)) if moe is not None else None
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
@@ -141,7 +147,7 @@ def count(step: Step, b: int, s: int) -> Counts:
         "recompute_matmul_flops": {i: selective.recomputed_matmul_flops[i] for i in range(n)},
         **kernels.finish(n),
     }
-    return Counts(values, module_segment)
+    return Counts(values, module_segment, expected_routing=routing is not None and routing.used)
 
 
 def _output_bytes(tracker: SegmentTracker, out, n: int) -> dict[int, int]:

@@ -3,7 +3,7 @@
     >>> prof = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
     >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=8), [(4096, 48), (16384, 6), (32768, 2)])
     >>> print(hot.summary())
-    hot switching: 3 buckets · 3 strategies · home dp_shard=2 zero=2 tp=4 ac=op · fits 75.93 GiB/80.00 GiB ...
+    hot switching: 3 buckets · 3 strategies · home tp=8 · fits 76.22 GiB/80.00 GiB ...
     >>> hot.strategies()            # bound → strategy, what nbtrain.run.switching.hot.HotSwitching takes
     >>> print(hot)                  # one row per bucket, the switches, the static plan, the speed-up
 
@@ -238,7 +238,7 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
         >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=16), [(4096, 48), (32768, 2)],
         ...                    memory="40GiB")
         >>> {bound: str(s) for bound, s in hot.strategies().items()}
-        {4096: 'dp_replicate=2 dp_shard=8 zero=2 ac=op', 32768: 'dp_shard=2 tp=8 ac'}
+        {4096: 'dp_replicate=2 dp_shard=4 zero=2 tp=2', 32768: 'dp_shard=2 zero=2 tp=8 ac=op'}
     """
     options = options or BucketOptions()
     if not isinstance(profile, ModelProfile):

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
                                         slot_module)
+from nbtrain.models.experts import expert_facts
 from nbtrain.models.stages import stage_layers
 from nbtrain.models.tensor_parallel import sequence_style, style_for
 from nbtrain.planner.plan import Plan
@@ -91,7 +92,10 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         group = meshes.for_strategy(plan.layers[0])["dp_replicate"].get_group()
         place_module(model, meshes.device)  # DDP takes a module already on its device, and broadcasts from there
         device_ids = [meshes.device.index] if meshes.device.type == "cuda" else None
+        # a mixture of experts leaves the experts no token reached on a rank without gradients there: DDP must look
+        # for them each step, or it waits for their all-reduce forever
         return DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+                                       find_unused_parameters=expert_facts(model) is not None,
                                        **buffer_sync(has_running_statistics(model)))
     start, end = plan.stage_ranges()[meshes.stage]
     last = plan.num_layers - 1

@@ -2,11 +2,12 @@
 vocabulary, and the cross-entropy is taken on the split logits (Megatron-LM's parallel cross-entropy, Shoeybi et
 al. 2019 §3; torch's ``loss_parallel``, torchtitan's default), instead of gathering whole logits on every rank.
 
-    >>> head_style = vocab_parallel_style()            # the head's ColwiseParallel, its output left split
-    >>> with loss_context(True):                       # the loss and its backward on the split logits
+    >>> model = parallelize(model, plan, meshes, split_logits=takes_vocab_parallel_loss(plan, lm_loss))  # tp=2
+    >>> with loss_context(has_split_logits(model)):    # the loss and its backward on the split logits
     ...     loss = lm_loss(model(ids), targets)
     ...     loss.backward()
-    >>> as_local(loss.detach())                        # a plain tensor again (the loss is replicated)
+    >>> as_local(loss.detach()).shape                  # a plain tensor again (the loss is replicated)
+    torch.Size([])
 
 Why: a head's logits are the largest activation of a language model. Llama 3 70B at 16 × 8,192 tokens a rank
 (torchtitan's FSDP 32 × TP 8 run) has 16.8 G logits: 34 GB in bf16 gathered whole on each of the 8 TP ranks, and

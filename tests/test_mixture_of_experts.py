@@ -1,0 +1,180 @@
+"""Mixture-of-experts models, as users build them: transformers' Mixtral and Qwen3-MoE from their default configs
+(shrunk) and a plain-torch MoE written the way people write one (a router, a ModuleList of expert MLPs, top-k, and
+``torch.where`` picking each expert's tokens). Each profiles with its experts' FLOPs and total and active
+parameters, plans, and trains under every data-parallel plan kind, checkpointing and pipelines exactly like one
+process. A model whose own tensor-parallel plan names a style nbtrain does not run (transformers' MoE plans name
+``moe_tp_experts``) is planned and trained without TP on its blocks, and the planner says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import nbtrain
+from nbtrain.errors import InvalidPlanError
+from nbtrain.planner.cost import estimate
+from nbtrain.planner.plan import Plan
+from tests.distributed_fixtures import VOCAB, distributed_losses, reference_losses
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+
+
+def mixtral(per_token: int = 2):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=per_token))
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SMALL, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                              head_dim=8))
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routing over a ModuleList of experts, each expert's tokens picked with torch.where."""
+
+    def __init__(self, d, h, n_experts=4, top_k=2):
+        super().__init__()
+        self.router = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, h) for _ in range(n_experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, h):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.moe = MoE(d, h)
+
+    def forward(self, x):
+        a = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        x = x + self.attn(a, a, a, attn_mask=mask, need_weights=False)[0]
+        return x + self.moe(self.ln2(x))
+
+
+class PlainMoE(nn.Module):
+    def __init__(self, vocab=VOCAB, d=32, heads=4, h=64, layers=2, block_size=32):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block_size, d)
+        self.blocks = nn.ModuleList(Block(d, heads, h) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _expert_params(model) -> int:
+    return sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+
+
+# ---- profile ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, experts, per_token", [(mixtral, 4, 2), (qwen3_moe, 4, 2), (PlainMoE, 4, 2)],
+                         ids=["mixtral", "qwen3-moe", "plain-torch"])
+def test_the_profile_counts_total_and_active_parameters(build, experts, per_token):
+    model = build()
+    prof = nbtrain.profile(model, batch_size=2, seq_len=16)
+    total = sum(p.numel() for p in model.parameters())
+    assert prof.params == total
+    assert prof.active_params == total - round(_expert_params(model) * (1 - per_token / experts))
+    assert f"active: {per_token} of {experts} experts a token" in str(prof)
+
+
+def test_the_profile_counts_the_chosen_experts_flops_a_token_more_per_expert_it_is_routed_to():
+    """Mixtral's expert is an up/gate projection to 2·i and a down projection back (6·h·i FLOPs a token forward):
+    routing each token to one expert more adds exactly that per token, whatever the router chose."""
+    b, s, h, i = 2, 16, SMALL["hidden_size"], SMALL["intermediate_size"]
+    one, two = (nbtrain.profile(mixtral(k), batch_size=b, seq_len=s).layers[1].flops_fwd for k in (1, 2))
+    assert two - one == b * s * 6 * h * i
+
+
+def test_routing_that_depends_on_the_data_is_counted_at_the_expected_load_and_says_so():
+    b, s, d, h = 2, 16, 32, 64
+    prof = nbtrain.profile(PlainMoE(), batch_size=b, seq_len=s)
+    assert any("expected load, k/E of the tokens" in note for note in prof.notes)
+    # each of the 4 experts gets b·s·2/4 tokens: together b·s·2 token-expert pairs, 2·(d·h + h·d) FLOPs each
+    attention = 2 * b * s * (d * 3 * d + d * d) + 2 * 2 * b * 4 * s * s * (d // 4)
+    router = 2 * b * s * d * 4
+    assert prof.layers[1].flops_fwd == attention + router + b * s * 2 * 2 * (2 * d * h)
+    # its stages cannot be traced (torch.where on the router's choices): no pipeline is offered
+    assert "picks its experts' tokens by their values" in prof.arch["no_pipeline"]
+
+
+# ---- plan ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build", [mixtral, qwen3_moe], ids=["mixtral", "qwen3-moe"])
+def test_a_tp_plan_with_a_style_nbtrain_does_not_run_leaves_tp_out_and_the_planner_says_why(build):
+    prof = nbtrain.profile(build(), batch_size=2, seq_len=16)
+    cluster = nbtrain.Cluster.from_catalog("H100", num_devices=2)
+    best = nbtrain.plan(prof, cluster, global_batch=4, seq_len=16)
+    assert all(s.tp == 1 for s in best.layers)
+    note = next(n for n in best.notes if "tensor parallelism was not searched" in n)
+    assert "'moe_tp_experts'" in note and "mlp.experts" in note
+    with pytest.raises(InvalidPlanError, match="moe_tp_experts"):
+        estimate(Plan.parse("tp=2", num_devices=2, num_layers=len(prof.layers), global_batch=4), prof, cluster)
+
+
+def test_nbtrain_profile_on_the_command_line_takes_a_mixtral(tmp_path, capsys, monkeypatch):
+    (tmp_path / "tiny_mixtral.py").write_text(
+        "from transformers import MixtralConfig, MixtralForCausalLM\n"
+        "def build():\n"
+        "    return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48,\n"
+        "        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from nbtrain.cli import main
+
+    main(["profile", "tiny_mixtral:build", "--batch", "2", "--seq", "16"])
+    assert "active: 2 of 4 experts a token" in capsys.readouterr().out
+
+
+# ---- train -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, plans", [
+    (mixtral, ["dp_shard=2", "dp_replicate=2", "dp_shard=2 ac", "pp=2 mb=2"]),
+    (qwen3_moe, ["dp_shard=2", "dp_replicate=2", "dp_shard=2 ac", "pp=2 mb=2"]),
+    (PlainMoE, ["dp_shard=2", "dp_replicate=2", "dp_shard=2 ac=op"]),
+], ids=["mixtral", "qwen3-moe", "plain-torch"])
+def test_a_mixture_of_experts_trains_like_one_process(build, plans):
+    reference = reference_losses(build)
+    got = distributed_losses(build, plans, world=2)
+    for plan in plans:
+        assert got[plan] == pytest.approx(reference, rel=1e-4), plan
+    assert reference[-1] < reference[0]
+
+
+@pytest.mark.parametrize("plan", ["dp_replicate=2 offload=1", "dp_shard=2 offload=1"])
+def test_a_mixtral_with_its_update_offloaded_trains_like_one_process(plan):
+    from nbtrain.run.verify import verify
+
+    report = verify("tests.any_models:mixtral", plan, processes=2, steps=5, batch=4, seq=16, timeout=180)
+    assert report.ok, str(report)
+    assert max(report.loss_differences) <= 1e-4
