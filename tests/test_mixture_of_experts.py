@@ -115,6 +115,8 @@ def test_the_profile_counts_the_chosen_experts_flops_a_token_more_per_expert_it_
     b, s, h, i = 2, 16, SMALL["hidden_size"], SMALL["intermediate_size"]
     one, two = (nbtrain.profile(mixtral(k), batch_size=b, seq_len=s).layers[1].flops_fwd for k in (1, 2))
     assert two - one == b * s * 6 * h * i
+    # in fp32 too, as a CPU run profiles it (torch's fake grouped matmul takes bf16 only)
+    assert nbtrain.profile(mixtral(2), batch_size=b, seq_len=s, dtype="fp32").layers[1].flops_fwd == two
 
 
 def test_routing_that_depends_on_the_data_is_counted_at_the_expected_load_and_says_so():
@@ -178,3 +180,14 @@ def test_a_mixtral_with_its_update_offloaded_trains_like_one_process(plan):
     report = verify("tests.any_models:mixtral", plan, processes=2, steps=5, batch=4, seq=16, timeout=180)
     assert report.ok, str(report)
     assert max(report.loss_differences) <= 1e-4
+
+
+def test_the_magic_plans_and_launches_a_mixtral_saying_why_tp_is_not_offered(shell, capsys):
+    result = shell.run_cell("%%autoparallel --gpus 2 --batch 4 --seq 16 --launch --processes 2 --steps 2 -o mx\n"
+                            "from tests.any_models import mixtral\nmoe = mixtral()\n")
+    assert result.success, result.error_in_exec
+    out = capsys.readouterr().out
+    assert "tensor parallelism was not searched" in out and "'moe_tp_experts'" in out
+    trained = shell.user_ns["mx_result"]
+    assert len(trained.losses) == 2
+    assert all(torch.equal(shell.user_ns["moe"].state_dict()[k], v) for k, v in trained.state_dict.items())

@@ -1,4 +1,4 @@
-"""Data-dependent routing on the profiler's fake tensors: a mixture of experts that picks each expert's tokens with
+"""Mixtures of experts on the profiler's fake tensors. Data-dependent routing: a mixture of experts that picks each expert's tokens with
 ``torch.where(chosen == e)`` (``nonzero``) asks for a number the fake step does not have. For a model with routed
 experts (:func:`nbtrain.models.experts.expert_facts`), :class:`ExpectedRouting` answers with the expected one: a
 routing mask holds its ``k`` choices per token over ``E`` experts, so each expert gets ``1/E`` of the mask's entries
@@ -11,7 +11,9 @@ routing mask holds its ``k`` choices per token over ``E`` experts, so each exper
     (torch.Size([16]), True)
 
 A real run's load differs step to step and expert to expert; the profile counts the mean, which is what the step's
-FLOPs add up to (every token still goes to ``k`` experts) and what a balanced router's memory is.
+FLOPs add up to (every token still goes to ``k`` experts) and what a balanced router's memory is. And the grouped
+matmul of transformers' experts: torch's fake kernel for ``_grouped_mm`` takes bf16 only (the CUDA kernel's rule), so
+an fp32 profile (a CPU run's) gets an empty output of the shape the CPU kernel returns.
 """
 
 from __future__ import annotations
@@ -32,9 +34,26 @@ class ExpectedRouting(TorchDispatchMode):
         self.used = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is getattr(aten, "_grouped_mm", None):
+            if args[0].dtype != torch.bfloat16:  # torch's fake kernel takes bf16 only (the CUDA kernel's rule);
+                return _grouped_mm_like(*args, **(kwargs or {}))  # the CPU runs fp32 too
         if func is aten.nonzero.default:
             (mask,) = args
             self.used = True
             rows = max(1, round(mask.numel() / self.experts))
             return torch.zeros((rows, mask.dim()), dtype=torch.long, device=mask.device)
         return func(*args, **(kwargs or {}))
+
+
+def _grouped_mm_like(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """An empty tensor of the shape ``torch._grouped_mm`` returns (its four forms: 2-D rows × 3-D experts → rows,
+    3-D × 3-D → batched, 2-D × 2-D grouped along the contraction → one block per group, 3-D × 2-D → rows)."""
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        shape = (mat_a.shape[0], mat_b.shape[-1])
+    elif mat_a.dim() == 3 and mat_b.dim() == 3:
+        shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
+    elif mat_a.dim() == 2 and mat_b.dim() == 2:
+        shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[-1])
+    else:
+        shape = (mat_a.shape[1], mat_b.shape[-1])
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
