@@ -519,6 +519,20 @@ class Workers:
     here_setup: str = ""
 
 
+def llama_tiny_in_workers(plan: str) -> str:
+    """A worker's setup: llama-tiny, ``plan`` for 2 processes and its meshes, and one batch of token ids."""
+    return f'''\
+from nbtrain.planner.plan import Plan
+from nbtrain.run.parallel.mesh import PlanMeshes
+from nbtrain.run.parallel.parallelize import parallelize
+plan = Plan.parse("{plan}", num_devices=2, num_layers=6)
+model = nbtrain.build_preset("llama-tiny", device="cpu")
+meshes = PlanMeshes(plan)
+ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+targets = ids.roll(-1, dims=1)
+'''
+
+
 IN_WORKERS = {
     "nbtrain.run.parallel.mesh": Workers(2, '''\
 from nbtrain.planner.plan import Plan
@@ -528,26 +542,8 @@ plan = Plan.parse("0-4: dp_shard=2; 5: tp=2", num_devices=2, num_layers=6)
 plan = Plan.parse("0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2", num_devices=2, num_layers=6)
 model = nbtrain.build_preset("llama-tiny", device="cpu")
 '''),
-    "nbtrain.run.placement": Workers(2, '''\
-from nbtrain.planner.plan import Plan
-from nbtrain.run.parallel.mesh import PlanMeshes
-from nbtrain.run.parallel.parallelize import parallelize
-plan = Plan.parse("0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2", num_devices=2, num_layers=6)
-model = nbtrain.build_preset("llama-tiny", device="cpu")
-meshes = PlanMeshes(plan)
-ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
-targets = ids.roll(-1, dims=1)
-'''),
-    "nbtrain.run.parallel.vocab_parallel": Workers(2, '''\
-from nbtrain.planner.plan import Plan
-from nbtrain.run.parallel.mesh import PlanMeshes
-from nbtrain.run.parallel.parallelize import parallelize
-plan = Plan.parse("tp=2", num_devices=2, num_layers=6)
-model = nbtrain.build_preset("llama-tiny", device="cpu")
-meshes = PlanMeshes(plan)
-ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
-targets = ids.roll(-1, dims=1)
-'''),
+    "nbtrain.run.placement": Workers(2, llama_tiny_in_workers("0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2")),
+    "nbtrain.run.parallel.vocab_parallel": Workers(2, llama_tiny_in_workers("tp=2")),
     "nbtrain.run.parallel.pipeline": Workers(2, '''\
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.parallel.parallelize import parallelize

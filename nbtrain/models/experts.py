@@ -31,11 +31,8 @@ class ExpertFacts:
     per_token: int
     """Experts each token is routed to (k)."""
     params: int
-    """Parameters of all experts of all MoE layers, each counted once."""
-
-    def active(self, total: int) -> int:
-        """Parameters a token uses of a model of ``total``: all but the experts it is not routed to."""
-        return total - round(self.params * (1 - self.per_token / self.experts))
+    """Parameters of all experts of all MoE layers, each counted once (``ModelProfile.active_params`` takes
+    ``1 − k/E`` of them off the total)."""
 
 
 def _first(obj, names) -> int:

@@ -70,10 +70,22 @@ def seconds(work: Work, cluster: Cluster) -> float:
     return max(busy, work.kernels * cluster.kernel_latency_s)
 
 
+def counted_by_kernel(layer: LayerProfile) -> bool:
+    """Whether the profile counted this layer's kernels (a profile saved before they were counted did not)."""
+    return all(q in layer.scaling for q in KERNEL_QUANTITIES)
+
+
+def by_kernel_class(layer: LayerProfile, cluster: Cluster, *, timed_here: bool) -> bool:
+    """Whether the cost model prices ``layer``'s compute on ``cluster`` by kernel class: not timed on this machine
+    (``timed_here``: the profile was measured where the cluster is, and the layer has its times), a cluster with the
+    figures (a GPU), and a profile that counted the kernels."""
+    return not (timed_here and layer.time_fwd_s is not None) and priced(cluster) and counted_by_kernel(layer)
+
+
 def layer_work(layer: LayerProfile, batch: float, seq_len: int) -> tuple[Work, Work] | None:
     """A profiled layer's (forward, backward) work at ``batch`` sequences of ``seq_len`` on one device, or None
     for a profile saved before kernels were counted (the planner then prices FLOPs at the sustained rate)."""
-    if not all(q in layer.scaling for q in KERNEL_QUANTITIES):
+    if not counted_by_kernel(layer):
         return None
     return tuple(Work(*(float(layer.scaling[f"{q}_{d}"](batch, seq_len)) if batch else 0.0 for q in _CLASSES))
                  for d in ("fwd", "bwd"))

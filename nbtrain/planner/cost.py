@@ -68,10 +68,10 @@ from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost_options import CostOptions
-from nbtrain.planner.compute_time import layer_work, priced, seconds
+from nbtrain.planner.compute_time import by_kernel_class, layer_work, seconds
 from nbtrain.planner.link_costs import (clip_seconds, fsdp_seconds, gather_seconds, replica_seconds,
                                         schedule_seconds, tp_seconds)
-from nbtrain.planner.memory_terms import loss_bytes
+from nbtrain.planner.memory_terms import loss_bytes, model_states
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.plan_checks import check_against
 from nbtrain.planner.reserve import reserve_parts
@@ -157,9 +157,7 @@ class CostModel:
         b = self.micro_batch(s, microbatches)
         p = prof.params / s.tp
         shard = s.dp_shard
-        params = p * e / (shard if s.zero == 3 else 1)
-        grads = p * e / shard
-        optimizer_state = p * (8 + (4 if e < 4 else 0)) / shard
+        params, grads, optimizer_state = model_states(p, s, e)
         full_act = self._tp_activations(index, s, b)
         loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
         split = s.sp and prof.kind == "block"  # the executor runs an sp plan's embedding and head on the whole sequence
@@ -207,7 +205,7 @@ class CostModel:
         memory_bound = recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b), prof.kind,
                                          s.tp, c, fwd, self.slowdown)
         dropped = self._eval(index, "recompute_matmul_flops", b) if "recompute_matmul_flops" in prof.scaling else 0
-        by_kernel = not self.measured and priced(c) and layer_work(prof, b, self.seq_len) is not None
+        by_kernel = by_kernel_class(prof, c, timed_here=self.measured)
         matmuls = matmul_recompute_seconds(dropped, self._eval(index, "flops_fwd", b), fwd, s.tp, c, by_kernel)
         return min(memory_bound + matmuls * (self.slowdown if by_kernel else 1.0), fwd)
 
@@ -254,8 +252,8 @@ class CostModel:
             tokens = b * self.seq_len / (self.profile.batch_size * self.profile.seq_len) / s.tp
             fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
             bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
-        elif priced(c) and (work := layer_work(prof, b, self.seq_len)):  # a GPU, kernels counted: by kernel
-            fwd, bwd = (seconds(w.split(s.tp), c) for w in work)
+        elif by_kernel_class(prof, c, timed_here=self.measured):  # a GPU, kernels counted
+            fwd, bwd = (seconds(w.split(s.tp), c) for w in layer_work(prof, b, self.seq_len))
         else:
             fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
         return fwd * self.slowdown, bwd * self.slowdown
@@ -363,10 +361,9 @@ class CostModel:
         group: both stages hold it and sum its gradients once a step, a cost left out of the step time): its
         parameters, gradients and Adam state, under the head's strategy, as :meth:`layer` counts them."""
         arch = self.profile.arch
-        p = (arch.get("vocab_size") or 0) * (arch.get("n_embd") or 0) / s.tp
-        shard, e = s.dp_shard, self.e
-        return Memory(params=p * e / (shard if s.zero == 3 else 1), grads=p * e / shard,
-                      optimizer=p * (8 + (4 if e < 4 else 0)) / shard * (1 - s.offload))
+        params, grads, optimizer = model_states((arch.get("vocab_size") or 0) * (arch.get("n_embd") or 0) / s.tp, s,
+                                                self.e)
+        return Memory(params=params, grads=grads, optimizer=optimizer * (1 - s.offload))
 
     def estimate(self, plan: Plan) -> Prediction:
         self.check(plan)

@@ -1,13 +1,19 @@
-"""The loss's memory, a term of the cost model that torch's ``FSDPMemTracker`` found missing (issue 28, point 7).
+"""Memory terms of the cost model: the loss's, which torch's ``FSDPMemTracker`` found missing (issue 28, point 7),
+and the model states of a layer's parameters under a strategy.
 
     >>> loss_bytes(16e6, dtype_bytes=2, saved=90e6)    # bf16 logits of 16 MB: (saved fp32 copy, backward's two)
     (32000000.0, 64000000.0)
 
 It is checked against the tracker's count of nbtrain's own FSDP2 step (``tests/test_memory_oracle.py``;
 ``bench/memory_oracle.py`` prints the table). :class:`~nbtrain.planner.cost.CostModel` adds it to the head.
+
+    >>> model_states(1e6, Strategy(dp_shard=2), dtype_bytes=2)   # bf16, ZeRO-3 over 2: params, grads, Adam state
+    (1000000.0, 1000000.0, 6000000.0)
 """
 
 from __future__ import annotations
+
+from nbtrain.planner.strategy import Strategy
 
 
 def loss_bytes(logits: float, *, dtype_bytes: int, saved: float) -> tuple[float, float]:
@@ -24,3 +30,13 @@ def loss_bytes(logits: float, *, dtype_bytes: int, saved: float) -> tuple[float,
     yet gathered its weights nor made its gradients: the two peaks come one after the other, not together."""
     fp32 = logits * 4 / dtype_bytes
     return min(fp32, saved), 2 * fp32
+
+
+def model_states(params: float, s: Strategy, dtype_bytes: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) bytes on one device of ``params`` parameters (one TP rank's) under
+    ``s`` (Rajbhandari et al. 2020, ZeRO §3): compute-dtype parameters, sharded over ``dp_shard`` under ZeRO-3;
+    compute-dtype gradients, sharded; the fp32 master copy and two Adam moments (12 bytes a parameter, 8 when the
+    compute dtype is fp32 and the parameters are the master), sharded, offloaded or not."""
+    shard, e = s.dp_shard, dtype_bytes
+    return (params * e / (shard if s.zero == 3 else 1), params * e / shard,
+            params * (8 + (4 if e < 4 else 0)) / shard)

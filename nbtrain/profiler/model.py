@@ -15,6 +15,7 @@ and length (:class:`~nbtrain.profiler.result.Scaling`), so the planner can evalu
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -85,7 +86,7 @@ def _only_blocks(step: Step, keep: list[int]):
     full = getattr(parent, attr)
     setattr(parent, attr, type(full)(full[i] for i in keep))
     try:
-        yield Step(step.model, step.family, [step.blocks[i] for i in keep], step.inputs, step.loss_fn, step.dtype)
+        yield dataclasses.replace(step, blocks=[step.blocks[i] for i in keep])
     finally:
         setattr(parent, attr, full)
 
@@ -191,7 +192,9 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     family = detect_family(model)
     seq_len = _check_shape(batch_size, seq_len, family)
     default_inputs, default_loss, hint = _default_batch(model, family) if inputs is None else (None, lm_loss, "")
-    step = Step(model, family, family.blocks(model), inputs or default_inputs, loss_fn or default_loss, torch_dtype)
+    moe = expert_facts(model)
+    step = Step(model, family, family.blocks(model), inputs or default_inputs, loss_fn or default_loss, torch_dtype,
+                experts=moe.experts if moe is not None else 0)
 
     was_training = model.training
     model.train()  # profile training: dropout masks and the like are saved as in a real step
@@ -223,7 +226,6 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     arch.update(planner_facts(describe(model, tp_plan)))  # what the executor can split and cut, for the planner
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
-    moe = expert_facts(model)
     if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute
         arch.update(experts=moe.experts, experts_per_token=moe.per_token, expert_params=moe.params)
     if asked.expected_routing and arch.get("traced_stages") and not arch.get("no_pipeline"):
@@ -288,7 +290,7 @@ def _materialized(step: Step, device: torch.device) -> Step:
                     t.normal_(0.0, 0.02)
     real = real.to(device=device, dtype=step.dtype)
     family = detect_family(real)
-    return Step(real, family, family.blocks(real), step.inputs, step.loss_fn, step.dtype)
+    return dataclasses.replace(step, model=real, family=family, blocks=family.blocks(real))
 
 
 def _check_dtype(dtype) -> torch.dtype:

@@ -22,7 +22,6 @@ from torch.utils._pytree import tree_map
 
 from nbtrain.errors import ProfileError
 from nbtrain.models.adapters import ModelFamily
-from nbtrain.models.experts import expert_facts
 from nbtrain.profiler.routing import ExpectedRouting
 from nbtrain.profiler.kernels import KernelCounter
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
@@ -42,6 +41,9 @@ class Step:
     loss_fn: Callable
     """``loss_fn(output, targets) -> scalar``."""
     dtype: torch.dtype
+    experts: int = 0
+    """Experts in each mixture-of-experts layer (:func:`~nbtrain.models.experts.expert_facts`; 0: none): routing
+    that depends on the data is counted at the expected load over them (:mod:`nbtrain.profiler.routing`)."""
 
     @property
     def num_segments(self) -> int:
@@ -119,8 +121,7 @@ def count(step: Step, b: int, s: int) -> Counts:
     with ExitStack() as stack:
         stack.enter_context(FakeTensorMode())
         stack.enter_context(step.family.fake_tracing())
-        moe = expert_facts(step.model)
-        routing = stack.enter_context(ExpectedRouting(moe.experts)) if moe is not None else None
+        routing = stack.enter_context(ExpectedRouting(step.experts)) if step.experts else None
         params = {n: torch.empty(p.shape, dtype=step.dtype if p.is_floating_point() else p.dtype,
                                  requires_grad=p.requires_grad) for n, p in step.model.named_parameters()}
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
