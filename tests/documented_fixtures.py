@@ -544,6 +544,15 @@ model = nbtrain.build_preset("llama-tiny", device="cpu")
 '''),
     "nbtrain.run.placement": Workers(2, llama_tiny_in_workers("0: dp_shard=2; 1-4: tp=2 ac; 5: dp_replicate=2")),
     "nbtrain.run.parallel.vocab_parallel": Workers(2, llama_tiny_in_workers("tp=2")),
+    "nbtrain.expert_dispatch": Workers(2, '''\
+from nbtrain.planner.plan import Plan
+from nbtrain.run.parallel.mesh import PlanMeshes
+from tests.any_models import mixtral
+model = mixtral()                                           # transformers' Mixtral, 4 experts, 2 a token
+plan = Plan.parse("dp_shard=2 ep=2", num_devices=2, num_layers=4)
+meshes = PlanMeshes(plan)
+s = plan.layers[1]
+'''),
     "nbtrain.run.parallel.pipeline": Workers(2, '''\
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.parallel.parallelize import parallelize

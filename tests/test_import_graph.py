@@ -52,6 +52,7 @@ LAYER_OF = {
     "units": "foundation",  # imports errors
     "table": "foundation",
     "checks": "foundation",  # a positive-integer check, powers of two: imports errors
+    "expert_dispatch": "foundation",  # expert parallelism's token dispatch: torch only; the executor and link_bench
     "gradients": "foundation",  # clipping gradients that may be DTensors: torch only; the trainer and the calibration
     # Data: nbtrain/data.py, and the stdlib corpus behind it (data_corpus is data's own helper, not shared
     # infrastructure: it tokenizes the stdlib documents that nbtrain.data serves, and uses torch).

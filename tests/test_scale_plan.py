@@ -56,3 +56,9 @@ def test_the_docstring_example_runs():
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_spread_experts_stay_spread_over_the_data_parallel_ranks_left():
+    big = Plan.parse("dp_replicate=2 dp_shard=32 ep=8", num_devices=64, num_layers=4)
+    assert str(scale_plan(big, 2)) == "dp_shard=2 ep=2"
+    assert str(scale_plan(big, 1)) == "dp_replicate=1"  # one device: no rank to spread over

@@ -12,6 +12,9 @@ Qwen-MoE and OLMoE, ``n_routed_experts`` for DeepSeek; ``num_experts_per_tok`` f
 modules: a module called ``experts`` (a ``ModuleList`` of experts, or one module holding every expert's weights in
 3-D tensors) whose parent says how many experts a token takes (``top_k`` or ``num_experts_per_tok``). A shared
 expert (Qwen2-MoE, DeepSeek) runs on every token, so it is not among the experts' parameters here.
+
+Whether the experts can be spread over ranks (expert parallelism, :mod:`nbtrain.expert_dispatch`) is
+a fact of how the model holds and calls them: :func:`expert_parallel_problem`.
 """
 
 from __future__ import annotations
@@ -76,3 +79,30 @@ def expert_facts(model: nn.Module) -> ExpertFacts | None:
         return None
     seen = {id(p): p.numel() for _, module in modules for p in module.parameters()}
     return ExpertFacts(experts, per_token, sum(seen.values()))
+
+
+def expert_parallel_problem(model: nn.Module, ep: int) -> str:
+    """Why ``model``'s experts cannot be spread over ``ep`` ranks, or ``""`` when they can (or it has none)."""
+    for name, module in expert_modules(model):
+        stacked = dict(module.named_parameters(recurse=False))
+        if isinstance(module, nn.ModuleList) or not stacked or any(p.dim() != 3 for p in stacked.values()):
+            return (f"its experts ('{name}', a {type(module).__name__}) are modules called one by one by its own "
+                    "loop; nbtrain spreads experts held as one module with 3-D weights (expert first), called "
+                    "with the router's choices, as transformers' MoE models hold them")
+        experts = getattr(module, "num_experts", None)
+        if not isinstance(experts, int) or any(p.shape[0] != experts for p in stacked.values()):
+            return f"its experts ('{name}') do not say how many they are (num_experts)"
+        if experts % ep:
+            return f"ep={ep} does not divide the {experts} experts of '{name}'; use an ep that divides {experts}"
+    return ""
+
+
+def expert_params_by_layer(layers: list[list[nn.Module]]) -> list[int]:
+    """Parameters of the routed experts inside each layer's modules (0 for a layer without experts), each counted
+    once: what expert parallelism spreads over the ``ep`` ranks."""
+    out = []
+    for modules in layers:
+        seen = {id(p): p.numel() for module in modules for _, experts in expert_modules(module)
+                for p in experts.parameters()}
+        out.append(sum(seen.values()))
+    return out

@@ -53,6 +53,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it. A CPU
   "device" shares the host's memory: no PCIe, but the update copies its new weights into the parameters (at the
   copy bandwidth), and the device's own share of the update takes the same cores' time (``Time.update``).
+* **Expert parallelism** (``ep``): the experts' model states on ``1/ep`` of the ranks, the all-to-alls of the
+  dispatch and the wait for the most loaded rank (:mod:`nbtrain.planner.expert_cost`).
 * **Re-layout** between consecutive layers whose (dp, tp, sp) layout differs: the hidden state moves once forward,
   once backward (Galvatron-BMW's transformation cost); one all-gather over ``tp`` where only ``sp`` differs.
 * **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch, and pays the
@@ -68,9 +70,9 @@ from functools import lru_cache
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost_options import CostOptions
+from nbtrain.planner.expert_cost import dispatch_seconds, spread_experts
 from nbtrain.planner.compute_time import by_kernel_class, layer_work, seconds
-from nbtrain.planner.link_costs import (clip_seconds, fsdp_seconds, gather_seconds, replica_seconds,
-                                        schedule_seconds, tp_seconds)
+from nbtrain.planner.link_costs import fsdp_seconds, gather_seconds, replica_seconds, schedule_seconds, tp_seconds
 from nbtrain.planner.memory_terms import loss_bytes, model_states
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.plan_checks import check_against
@@ -79,12 +81,12 @@ from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePredi
 from nbtrain.planner.selective_cost import (kept_per_rank, matmul_recompute_seconds, recompute_seconds,
                                            split_over_tp)
 from nbtrain.planner.strategy import Strategy
+from nbtrain.planner.update_cost import update_seconds
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 
 GiB = 2**30
 MiB = 2**20
-CLIP_PASSES = 3  # clipping by the global norm reads every gradient for the norm, then reads and writes it to scale
 
 def _ring(k: int, nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
     """One all-gather or reduce-scatter over a ring of ``k`` devices (Thakur et al. 2005), plus ``latency``."""
@@ -157,7 +159,12 @@ class CostModel:
         b = self.micro_batch(s, microbatches)
         p = prof.params / s.tp
         shard = s.dp_shard
-        params, grads, optimizer_state = model_states(p, s, e)
+        spread = spread_experts(self.profile.arch, index, s, b * self.seq_len, self._eval(index, "flops_fwd", b))
+        dense = p - spread.params if spread else p  # under ep, the experts' 1/ep under their own data parallelism
+        states = [model_states(dense, s, e)] + ([model_states(spread.params / s.ep, spread.strategy, e)] if spread
+                                                else [])
+        params, grads, optimizer_state = (sum(part) for part in zip(*states))
+        held = dense + (spread.params / s.ep if spread else 0.0)  # what one rank gathers of the layer (ZeRO-3)
         full_act = self._tp_activations(index, s, b)
         loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
         split = s.sp and prof.kind == "block"  # the executor runs an sp plan's embedding and head on the whole sequence
@@ -173,11 +180,12 @@ class CostModel:
         # in its backward the recomputed activations are back: all (full), or what ac=op dropped; the loss's backward
         # comes first, one after the other (memory_terms.loss_bytes)
         recomputed = max(0.0, full_act - act) if s.ac == "op" else full_act - loss_saved if s.ac else 0.0
-        transient = max(loss_backward, (p * e if s.zero == 3 and shard > 1 else 0.0) + (p * e if shard > 1 else 0.0)
+        transient = max(loss_backward, (held * e if s.zero == 3 and shard > 1 else 0.0) + (held * e if shard > 1 else 0.0)
                         + recomputed)
 
         fwd, bwd = self._compute(index, s, b)
         compute = fwd + bwd + (self._selective_recompute(index, s, b, fwd) if s.ac == "op" else fwd if s.ac else 0.0)
+        compute *= 1 + (spread.share * (spread.factor - 1) if spread else 0.0)  # the most loaded expert rank's wait
 
         passes = 3 if s.ac else 2  # forward, backward, and the recomputed forward (ac=op recomputes the collectives)
         world, links = c.num_devices, self.links
@@ -191,10 +199,18 @@ class CostModel:
                                                                           self._latency(s.tp))
         if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
             tp_comm += (1 if index == 0 else passes - 1) * self._gather(s.tp, hidden)
-        zero3, dp_comm = self._data_parallel(index, s, p, compute, bwd)
-        offload, update = self._optimizer(index, s, p, bwd)
+        zero3, dp_comm = self._data_parallel(index, s, dense, compute, bwd)
+        ep_comm = 0.0
+        if spread:
+            ep_comm = dispatch_seconds(links, world, self._gather, s.ep, hidden, spread.per_token, spread.experts,
+                                       spread.factor, passes)
+            zero3, dp_comm = (a + b for a, b in zip((zero3, dp_comm), self._data_parallel(
+                index, spread.strategy, spread.params / s.ep, compute, bwd, stride=s.ep)))
+        # the update of what this rank holds: its shard of the layer, and under ep its experts' shard
+        offload, update = self._optimizer(index, s, dense + (spread.params / s.ep / spread.strategy.dp_shard * shard
+                                                             if spread else 0.0), bwd)
         per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
-        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3) + per_step
+        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
@@ -258,15 +274,18 @@ class CostModel:
             fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
         return fwd * self.slowdown, bwd * self.slowdown
 
-    def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float) -> tuple[float, float]:
+    def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float,
+                       stride: int = 1) -> tuple[float, float]:
         """(FSDP2's per-micro-batch gathers, the once-a-step gradient sync) of a layer of ``p`` parameters per TP
-        rank: as measured on this machine where it was (:mod:`nbtrain.planner.link_costs`), else by bandwidth."""
+        rank: as measured here where it was (:mod:`nbtrain.planner.link_costs`), else by bandwidth, over groups of
+        ranks ``stride`` apart (spread experts' peers: ``ep``), which may span more nodes."""
         e, opt, world = self.e, self.options, self.cluster.num_devices
         shard, grad_bytes = s.dp_shard, p * opt.grad_reduce_bytes
         zero3 = fsdp_seconds(self.links, world, s, self.profile.layers[index].kind, param_bytes=p * e)
         sync = 0.0
         if zero3 is None:
-            shard_bw, shard_lat = self._bandwidth(shard * s.tp), self._latency(shard * s.tp)
+            span = shard * s.tp * stride
+            shard_bw, shard_lat = self._bandwidth(span), self._latency(span)
             gathers = 2 * _ring(shard, p * e, shard_bw, shard_lat) * opt.overlap_slowdown if s.zero == 3 else 0.0
             zero3 = max(0.0, gathers - compute)
             sync = _ring(shard, grad_bytes, shard_bw, shard_lat)  # reduce-scatter (all-reduce = RS + all-gather)
@@ -276,30 +295,14 @@ class CostModel:
                                    model_grad_bytes=self._grad_bytes(s.tp))
         if replicas is not None:
             return zero3, sync + replicas
-        sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(s.devices), self._latency(s.devices))
+        span = s.devices * stride
+        sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(span), self._latency(span))
         return zero3, max(0.0, sync * opt.overlap_slowdown - bwd)
 
     def _optimizer(self, index: int, s: Strategy, p: float, bwd: float) -> tuple[float, float]:
         """(the offloaded update's time not hidden under backward, the device's own update and clipping)."""
-        c, e, opt = self.cluster, self.e, self.options
-        offloaded = p / s.dp_shard * s.offload
-        rate = c.cpu_optimizer_rate / c.devices_per_node
-        cpu = offloaded / rate
-        if c.device == "cpu":  # no PCIe: the update reads the gradients in place, and copies the new weights into
-            cpu += offloaded * e / c.host_to_device_bandwidth  # the parameters (a memory copy) itself
-            pcie, update = 0.0, p / s.dp_shard * (1 - s.offload) / rate  # the "device" updates the rest itself
-            if opt.clip:  # at the copy rate: on the CPU, memory bandwidth is the device's
-                update += CLIP_PASSES * p / s.dp_shard * opt.grad_reduce_bytes / c.host_to_device_bandwidth
-        else:  # gradients down, weights up; the device's own step, at its memory bandwidth, is not modelled
-            pcie, update = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth, 0.0
-        if opt.clip:
-            update += clip_seconds(self.links, c.num_devices, s, param_bytes=p * s.tp * e,
-                                   layers=len(self.profile.layers))
-        # the update hides under backward only on cores the backward leaves free: not on a CPU whose worker
-        # processes take every core
-        spare = c.device != "cpu" or not c.host_cores or c.host_cores > c.devices_per_node
-        offload = max(0.0, max(cpu, pcie) - bwd) if opt.offload_overlap and spare else cpu + pcie
-        return offload, update
+        return update_seconds(self.cluster, self.options, self.links, s, p, bwd, dtype_bytes=self.e,
+                              layers=len(self.profile.layers))
 
     def relayout(self, index: int, before: Strategy, after: Strategy, microbatches: int) -> float:
         """Seconds per micro-batch to move the hidden state entering ``index`` between two layouts."""

@@ -13,7 +13,7 @@ Grammar (tokens are separated by whitespace, with no spaces around ``=``; keys i
     pipeline  := [pp=P] [mb=M] [schedule=1f1b|gpipe] [stages=a+b+...]
     layers    := strategy  |  range ":" strategy (";" range ":" strategy)* [";"]
     range     := span ("," span)*          span := i | i-j      (0-based, inclusive)
-    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [sp] [ac | ac=op | ac=1/k] [offload=f]
+    strategy  := [dp_replicate=a] [dp_shard=b] [zero=2|3] [tp=c] [sp] [ep=e] [ac | ac=op | ac=1/k] [offload=f]
 
 - Omitted keys mean 1 / off / ``schedule=1f1b`` / the even stage split, except ``dp_replicate``, which takes the
   devices left over: num_devices // (pp × dp_shard × tp). So ``dp_shard=4`` on 16 devices is HSDP with
@@ -21,6 +21,9 @@ Grammar (tokens are separated by whitespace, with no spaces around ``=``; keys i
 - ``stages`` without ``pp`` sets pp to the number of stages. ``offload`` is a fraction (``0.25``) or a percentage
   (``25%``). ``zero`` needs ``dp_shard`` > 1 (it is the level of that sharding). ``sp`` (sequence parallelism,
   a flag like ``ac``) needs ``tp`` > 1: ``0: tp=2; 1-12: tp=2 sp; 13: tp=2``.
+- ``ep`` (expert parallelism) spreads a mixture-of-experts layer's experts over ``ep`` of its data-parallel ranks;
+  it divides dp_replicate × dp_shard and uses no devices of its own: ``dp_shard=4 ep=2`` on 4 devices. Layers
+  without experts ignore it, so ``ep=2`` may be written for the whole model.
 - Checkpointing: ``ac`` recomputes the whole layer in backward (keeping its input); ``ac=op`` is per-op selective
   checkpointing (torchtitan's "op" SAC): the outputs of attention and of every other projection
   matmul are kept, the rest recomputed;
@@ -45,17 +48,18 @@ if TYPE_CHECKING:  # the plan module imports this one: plans are read and writte
     from nbtrain.planner.plan import Plan
 
 PIPELINE_KEYS = ("pp", "mb", "schedule", "stages")
-LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "ac", "offload")
+LAYER_KEYS = ("dp_replicate", "dp_shard", "zero", "tp", "sp", "ep", "ac", "offload")
 FLAGS = {"sp": "sequence parallelism (with tp > 1)"}
 """Keys written alone, without a value (on when present)."""
 _EXAMPLE = {"pp": "pp=2", "mb": "mb=8", "schedule": "schedule=1f1b' or 'schedule=gpipe", "stages": "stages=12+12",
             "dp_replicate": "dp_replicate=2", "dp_shard": "dp_shard=4", "zero": "zero=2' or 'zero=3", "tp": "tp=2",
-            "ac": "ac' or 'ac=op' or 'ac=1/2", "sp": "tp=2 sp", "offload": "offload=0.25"}
+            "ac": "ac' or 'ac=op' or 'ac=1/2", "sp": "tp=2 sp", "ep": "ep=2", "offload": "offload=0.25"}
 _HINTS = {"dp": "dp_replicate (DDP) or dp_shard (FSDP)", "ddp": "dp_replicate", "fsdp": "dp_shard",
           "hsdp": "dp_replicate and dp_shard together", "microbatches": "mb", "micro_batches": "mb",
           "checkpoint": "ac", "activation_checkpointing": "ac", "pipeline": "pp",
           "sac": "ac=op (per-op selective checkpointing) or ac=1/2 (every 2nd layer)",
-          "sequence_parallel": "sp", "sequence_parallelism": "sp"}
+          "sequence_parallel": "sp", "sequence_parallelism": "sp", "expert_parallel": "ep",
+          "expert_parallelism": "ep", "moe": "ep (expert parallelism)"}
 _FORM = "'pp=2 mb=8 | dp_shard=4 tp=2 ac' or '0-11: tp=2 ac; 12-23: dp_shard=2'"
 
 
@@ -199,7 +203,7 @@ def _read(tokens: list[str], allowed: tuple[str, ...], misplaced: str) -> dict:
 
 
 def _value(key: str, value: str, token: str):
-    if key in ("pp", "mb", "dp_replicate", "dp_shard", "tp"):
+    if key in ("pp", "mb", "dp_replicate", "dp_shard", "tp", "ep"):
         if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
             raise InvalidPlanError(f"{token!r}: {key} takes a positive integer, e.g. '{_EXAMPLE[key]}'")
         return int(value)

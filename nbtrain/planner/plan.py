@@ -5,7 +5,7 @@ with the compact form users type (parsed and written by :mod:`nbtrain.planner.gr
     >>> from nbtrain.planner.plan import Plan
     >>> plan = Plan.parse("pp=2 mb=8 | dp_shard=4 tp=2 ac", num_devices=16, num_layers=26, global_batch=64)
     >>> plan.layers[0]
-    Strategy(dp_replicate=1, dp_shard=4, zero=3, tp=2, ac=True, offload=0.0, sp=False)
+    Strategy(dp_replicate=1, dp_shard=4, zero=3, tp=2, ac=True, offload=0.0, sp=False, ep=1)
     >>> print(plan)
     pp=2 mb=8 schedule=1f1b | dp_shard=4 tp=2 ac
     >>> plan.stage_ranges(), plan.micro_batch_size(0)

@@ -21,7 +21,8 @@ from nbtrain.profiler.result import ModelProfile
 
 def check_against(plan: Plan, profile: ModelProfile, cluster: Cluster, global_batch: int) -> None:
     """Reject ``plan`` where ``profile``'s model or ``cluster`` cannot take it (devices, layers, tensor and sequence
-    parallelism the executor cannot run on the model, heads TP does not divide, a batch dp does not divide)."""
+    parallelism the executor cannot run on the model, experts it cannot spread, heads TP does not divide, a batch dp
+    does not divide)."""
     if plan.num_devices != cluster.num_devices:
         raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but the cluster has "
                                f"{cluster.num_devices}; write the plan for {cluster.num_devices}")
@@ -40,6 +41,12 @@ def check_against(plan: Plan, profile: ModelProfile, cluster: Cluster, global_ba
             if layer.kind == "block" else ""  # the embedding and the head split the vocabulary, not heads
         if problem:
             raise InvalidPlanError(f"layer {i} ({layer.name}) of {profile.model}: {problem}")
+        if s.ep > 1 and (arch.get("layer_expert_params") or [0] * (i + 1))[i]:
+            if arch.get("no_expert_parallel"):
+                raise InvalidPlanError(f"layer {i}: ep={s.ep}, but {arch['no_expert_parallel']}; use ep=1")
+            if arch["experts"] % s.ep:
+                raise InvalidPlanError(f"layer {i}: ep={s.ep} does not divide its {arch['experts']} experts; use an "
+                                       f"ep that divides {arch['experts']}")
         if global_batch % (plan.microbatches * s.dp):
             raise InvalidPlanError(
                 f"layer {i}: global batch {global_batch} is not divisible by microbatches × dp = "

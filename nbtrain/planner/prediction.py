@@ -47,6 +47,8 @@ class Time(Sum):
     bubble: float = 0.0
     update: float = 0.0
     """The device's own optimizer step (its share of the update), where its rate is known: a CPU "device"."""
+    ep_comm: float = 0.0
+    """Expert parallelism's all-to-alls: tokens to their experts' ranks and back (:mod:`nbtrain.planner.expert_cost`)."""
 
     def scaled(self, k: float) -> "Time":
         return Time(*(getattr(self, f.name) * k for f in fields(self)))

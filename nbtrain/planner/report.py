@@ -76,7 +76,7 @@ def plan_table(plan: Plan) -> Table:
             f"predicted: {format_seconds(pred.step_time_s)} per step · {pred.tokens_per_s:,.0f} tokens/s · "
             f"MFU {pred.mfu:.1%} · memory {format_bytes(pred.memory_bytes)} of {format_bytes(pred.budget_bytes)} "
             f"per device ({'fits' if pred.fits else 'does NOT fit'})")
-        spent = [(name, getattr(t, name)) for name in ("compute", "tp_comm", "zero3_comm", "dp_comm", "offload",
+        spent = [(name, getattr(t, name)) for name in ("compute", "tp_comm", "ep_comm", "zero3_comm", "dp_comm", "offload",
                                                        "update", "relayout", "pp_comm", "bubble")
                  if getattr(t, name) > 0]
         table.footer.append("time: " + " · ".join(f"{name} {format_seconds(v)}" for name, v in spent))

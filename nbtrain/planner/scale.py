@@ -7,7 +7,8 @@
 Axes shrink from the outside in, each halved in turn, until the plan has as many devices as processes: first the
 pipeline (``pp``, whose stages merge pairwise), then ``dp_replicate``, then ``dp_shard``, and ``tp`` last. The
 inner axes are the ones that change how a layer computes (a tensor-parallel matmul, a sharded optimizer), so a
-small run keeps as much of them as it can; checkpointing, ZeRO level, offload and schedule stay as planned, and
+small run keeps as much of them as it can; checkpointing, ZeRO level, offload and schedule stay as planned, expert
+parallelism over as many data-parallel ranks as are left (``dp_shard=32 ep=8`` on 2 devices: ``dp_shard=2 ep=2``), and
 micro-batches shrink with the pipeline (as many per stage as planned: they were there to fill its bubble). A plan for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
 """
 
@@ -47,7 +48,10 @@ def _scale_strategy(s: Strategy, devices: int) -> Strategy:
         axis = next(a for a in ("dp_replicate", "dp_shard", "tp") if degrees[a] > 1)
         degrees[axis] //= 2
     degrees["dp_replicate"] *= devices // (degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"])
-    return Strategy(**degrees, zero=s.zero, ac=s.ac, offload=s.offload)
+    ep = s.ep  # the experts stay spread, over as many of the data-parallel ranks left as divide them
+    while (degrees["dp_replicate"] * degrees["dp_shard"]) % ep:
+        ep //= 2
+    return Strategy(**degrees, zero=s.zero, ac=s.ac, offload=s.offload, ep=ep if degrees["tp"] == 1 else 1)
 
 
 def _nearest(plan: Plan, n: int) -> int:

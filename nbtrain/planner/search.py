@@ -243,8 +243,8 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
             continue
         _, ranges, chosen = solved
         chosen = _tidy(chosen, task, kinds, ranges)
-        plan = Plan(num_devices=cluster.num_devices, layers=tuple(task.space[j] for j in chosen), pp=task.pp,
-                    microbatches=task.microbatches, schedule=task.schedule,
+        plan = Plan(num_devices=cluster.num_devices, layers=one_expert_degree(profile, [task.space[j] for j in chosen]),
+                    pp=task.pp, microbatches=task.microbatches, schedule=task.schedule,
                     stages=tuple(e - a for a, e in ranges), global_batch=global_batch,
                     seq_len=model.seq_len, model=profile.model)
         prediction = model.estimate(plan)
@@ -265,6 +265,17 @@ def layer_kinds(profile: ModelProfile) -> list[int]:
         return layer.kind, layer.params, costs, input_size
     ids: dict = {}
     return [ids.setdefault(signature(i), len(ids)) for i in range(len(profile.layers))]
+
+
+def one_expert_degree(profile: ModelProfile, layers: list) -> tuple:
+    """``layers`` with the layers that hold no experts given the experts' ``ep`` (the most common one), where it
+    divides their dp, else 1: they run and cost the same under any ``ep``, so the search may return any, and one
+    degree throughout reads as one strategy (``dp_shard=8 ep=8``)."""
+    per_layer = profile.arch.get("layer_expert_params") or ()
+    spread = [s.ep for i, s in enumerate(layers) if i < len(per_layer) and per_layer[i]]
+    ep = max(sorted(set(spread)), key=spread.count) if spread else 1
+    return tuple(s if i < len(per_layer) and per_layer[i] else replace(s, ep=ep if s.dp % ep == 0 else 1)
+                 for i, s in enumerate(layers))
 
 
 def _tidy(chosen: list[int], task: Task, kinds: list[int], ranges: list[tuple[int, int]]) -> list[int]:
@@ -324,8 +335,8 @@ def leanest(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_l
                     if stage_best is None or total < stage_best[0]:
                         stage_best = total, picks
             chosen += stage_best[1]
-        plan = Plan(num_devices=cluster.num_devices, layers=tuple(task.space[j] for j in chosen), pp=task.pp,
-                    microbatches=task.microbatches, schedule=task.schedule, global_batch=global_batch,
+        plan = Plan(num_devices=cluster.num_devices, layers=one_expert_degree(profile, [task.space[j] for j in chosen]),
+                    pp=task.pp, microbatches=task.microbatches, schedule=task.schedule, global_batch=global_batch,
                     seq_len=model.seq_len, model=profile.model)
         prediction = model.estimate(plan)
         key = (prediction.memory_bytes, max(stage.host_bytes for stage in prediction.stages))

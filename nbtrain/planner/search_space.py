@@ -34,6 +34,9 @@ class SearchOptions:
     """Pipeline degrees to try (default: every power of two up to the devices and the layers)."""
     microbatches: tuple[int, ...] | None = None
     """Micro-batch counts to try (default: :func:`microbatch_counts`); counts below ``pp`` run GPipe."""
+    allow_ep: bool = True
+    """Offer expert parallelism (``ep``, every power of two dividing the experts and dp) on the layers with experts,
+    for a mixture of experts whose experts the executor can spread."""
     memory_grid: int = 64
     """Cells the memory budget is cut into when a stage's frontier grows large (0: always exact)."""
 
@@ -81,6 +84,9 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
     traced = profile.arch.get("traced_stages")  # traced stages hold the full head count: no tp inside them
     # sequence parallelism where the executor can run it on this model's blocks (nbtrain.models.description)
     allow_sp = opts.allow_sp and not profile.arch.get("no_sequence_parallel")
+    experts = profile.arch.get("experts") or 0
+    spreads = opts.allow_ep and experts > 1 and not profile.arch.get("no_expert_parallel")
+    expert_degrees = tuple(2**k for k in range(1, experts.bit_length()) if experts % 2**k == 0) if spreads else ()
     pps = opts.pp_degrees or tuple(p for p in (2**k for k in range(16)) if p <= min(cluster.num_devices, n))
     tasks = []
     for pp in pps:
@@ -94,7 +100,8 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
                                                max_tp=1 if pp > 1 and traced else max_tp, max_dp=batch // m,
                                                offload_levels=opts.offload_levels if pp == 1 else (0.0,),
                                                allow_ac=opts.allow_ac,
-                                               zero_levels=opts.zero_levels, allow_sp=allow_sp)
+                                               zero_levels=opts.zero_levels, allow_sp=allow_sp,
+                                               expert_degrees=expert_degrees)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
                      and (s.tp == 1 or not unit or unit % s.tp == 0) and (not s.sp or model.seq_len % s.tp == 0)]
             # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallel.parallelize.check_plan), so

@@ -2,7 +2,7 @@
 of strategies the search walks; a whole model's plan is :class:`nbtrain.planner.plan.Plan`.
 
     >>> Strategy(dp_shard=4, tp=2, ac=True)
-    Strategy(dp_replicate=1, dp_shard=4, zero=3, tp=2, ac=True, offload=0.0, sp=False)
+    Strategy(dp_replicate=1, dp_shard=4, zero=3, tp=2, ac=True, offload=0.0, sp=False, ep=1)
     >>> even_split(26, 2)
     (13, 13)
 
@@ -47,13 +47,15 @@ class Strategy:
     """One layer's choice of parallelism, in the ecosystem's names (torchtitan's mesh axes).
 
         >>> Strategy(dp_shard=4, zero=2, tp=2, ac=True, offload=0.25)
-        Strategy(dp_replicate=1, dp_shard=4, zero=2, tp=2, ac=True, offload=0.25, sp=False)
+        Strategy(dp_replicate=1, dp_shard=4, zero=2, tp=2, ac=True, offload=0.25, sp=False, ep=1)
         >>> str(Strategy(dp_replicate=2, dp_shard=4, offload=0.25)), Strategy(dp_shard=1, zero=2).zero
         ('dp_replicate=2 dp_shard=4 offload=0.25', 3)
         >>> str(Strategy(dp_shard=2, ac="op")), Strategy(ac="full").ac
         ('dp_shard=2 ac=op', True)
         >>> str(Strategy(tp=2, sp=True)), Strategy(tp=2, sp=True).layout
         ('tp=2 sp', (1, 2, True))
+        >>> str(Strategy(dp_shard=4, ep=2))
+        'dp_shard=4 ep=2'
     """
 
     dp_replicate: int = 1
@@ -77,6 +79,12 @@ class Strategy:
     residual adds) runs on ``1/tp`` of the sequence, all-gathers and reduce-scatters replace the all-reduces, and the
     hidden state this layer takes and hands on is split along the sequence over the ``tp`` ranks. Needs ``tp > 1``.
     (Last, so positional construction in the order above still works.)"""
+    ep: int = 1
+    """Expert-parallel degree (torchtitan's and Megatron's ``ep``): a mixture-of-experts layer's experts are spread
+    over ``ep`` of its data-parallel ranks, each holding ``E/ep`` of them, and every token is sent to its experts'
+    ranks and its outputs sent back (an all-to-all each way); the experts are data-parallel over the remaining
+    ``dp / ep`` ranks. Borrows from the data-parallel ranks (``ep`` divides ``dp_replicate × dp_shard``), so it uses
+    no devices of its own; a layer without experts runs as if it were 1."""
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp"):
@@ -108,6 +116,16 @@ class Strategy:
             raise InvalidPlanError("sp (sequence parallelism) splits the sequence over the tensor-parallel ranks, "
                                    "so it needs tp > 1: write e.g. 'tp=2 sp', or leave out 'sp'")
         object.__setattr__(self, "sp", bool(self.sp))
+        object.__setattr__(self, "ep", plan_int(self.ep, "ep", "the expert-parallel degree is a positive integer "
+                                                "(1 = experts not spread)"))
+        if self.ep > 1 and self.tp > 1:
+            raise InvalidPlanError(f"ep={self.ep} with tp={self.tp}: expert parallelism runs with data parallelism "
+                                   "(dp_replicate, dp_shard), not yet with tensor parallelism; use tp=1 with ep")
+        if self.ep > 1 and self.dp % self.ep:
+            hint = f"use an ep that divides {self.dp}" if self.dp > 1 else "give it dp_shard or dp_replicate, or " \
+                "leave out ep"
+            raise InvalidPlanError(f"ep={self.ep} spreads the experts over data-parallel ranks, but this layer has "
+                                   f"dp_replicate × dp_shard = {self.dp}; {hint}")
 
     @property
     def devices(self) -> int:
@@ -118,6 +136,19 @@ class Strategy:
     def dp(self) -> int:
         """Data-parallel degree, replicated and sharded together: how many ways the micro-batch is split."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_degrees(self) -> tuple[int, int]:
+        """``(dp_replicate, dp_shard)`` of the experts of a layer that spreads them over ``ep`` ranks: data-parallel
+        over the ``dp / ep`` ranks holding the same experts, ``ep`` taken from ``dp_shard`` first (torchtitan's
+        ``dp_shard_mod_ep``), then from ``dp_replicate``.
+
+            >>> Strategy(dp_replicate=2, dp_shard=4, ep=2).expert_degrees, Strategy(dp_replicate=4, ep=2).expert_degrees
+            ((2, 2), (2, 1))
+        """
+        if self.dp_shard % self.ep == 0:
+            return self.dp_replicate, self.dp_shard // self.ep
+        return self.dp // self.ep, 1
 
     @property
     def layout(self) -> tuple[int, int, bool]:
@@ -131,16 +162,19 @@ class Strategy:
         parts += ["zero=2"] if self.zero == 2 else []
         parts += [f"tp={self.tp}"] if self.tp > 1 else []
         parts += ["sp"] if self.sp else []
+        parts += [f"ep={self.ep}"] if self.ep > 1 else []
         parts += ["ac=op"] if self.ac == "op" else ["ac"] if self.ac else []
         parts += [f"offload={format_fraction(self.offload)}"] if self.offload else []
         return " ".join(parts) or "dp_replicate=1"
 
     def to_dict(self) -> dict:
-        """The fields as a dict; ``sp`` only when on, so a plan file without sequence parallelism reads the same in
-        an nbtrain that predates it."""
+        """The fields as a dict; ``sp`` only when on and ``ep`` only when > 1, so a plan file without them reads the
+        same in an nbtrain that predates them."""
         d = dataclasses.asdict(self)
         if not self.sp:
             del d["sp"]
+        if self.ep == 1:
+            del d["ep"]
         return d
 
     @classmethod
@@ -148,7 +182,7 @@ class Strategy:
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise InvalidPlanError(f"unknown strategy field(s) {', '.join(unknown)} in {d!r}; the fields are "
-                                   "dp_replicate, dp_shard, zero, tp, ac, offload, sp")
+                                   "dp_replicate, dp_shard, zero, tp, ac, offload, sp, ep")
         return cls(**d)
 
 
@@ -177,14 +211,16 @@ def head_split_problem(tp: int, n_head: int | None, n_kv_head: int | None = None
 
 def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = None, max_dp: int | None = None,
                    offload_levels=(0.0,), allow_ac: bool = True, zero_levels=(2, 3),
-                   allow_sp: bool = True) -> list[Strategy]:
+                   allow_sp: bool = True, expert_degrees=(1,)) -> list[Strategy]:
     """Every strategy one layer may take on ``devices`` devices (one pipeline stage), pruned as Galvatron does:
     power-of-two degrees, dp_replicate × dp_shard × tp == devices, tp inside a node (≤ devices_per_node) and
     ≤ max_tp, dp ≤ max_dp (the micro-batch size: each data-parallel rank needs at least one sequence), a ZeRO
     level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers),
     sequence parallelism off and on wherever tp > 1 (``allow_sp``), checkpointing none, per-op selective (``ac=op``)
-    or full. Ordered by tp, dp_shard, zero, sp, ac (none, op, full), offload, each ascending. Empty when the caps
-    leave nothing (e.g. 16 devices, 8 per node, max_dp=1).
+    or full, and each ``ep`` of ``expert_degrees`` that divides dp where tp = 1 (expert parallelism, for the layers
+    with experts). Ordered by tp, dp_shard, zero,
+    sp, ac (none, op, full), offload, ep, each ascending. Empty when the caps leave nothing (e.g. 16 devices, 8 per
+    node, max_dp=1).
 
         >>> [str(s) for s in strategy_space(2, devices_per_node=8, allow_ac=False)]
         ['dp_replicate=2', 'dp_shard=2 zero=2', 'dp_shard=2', 'tp=2', 'tp=2 sp']
@@ -212,7 +248,10 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
                 for sp in (False, True) if tp > 1 and allow_sp else (False,):
                     for ac in AC_CHOICES if allow_ac else (False,):
                         for offload in sorted(set(offload_levels)) if tp == 1 else (0.0,):
-                            s = Strategy(dp // dp_shard, dp_shard, zero, tp, ac, offload, sp)
-                            if not out or out[-1] != s:  # two levels may be equal once rounded to 0.001
-                                out.append(s)
+                            for ep in sorted(set(expert_degrees) | {1}) if tp == 1 else (1,):
+                                if dp % ep:
+                                    continue
+                                s = Strategy(dp // dp_shard, dp_shard, zero, tp, ac, offload, sp, ep)
+                                if not out or out[-1] != s:  # two levels may be equal once rounded to 0.001
+                                    out.append(s)
     return out

@@ -28,6 +28,7 @@ TP_BLOCKS = ((4, 64, 128), (8, 128, 128), (8, 128, 256))  # (batch, seq, hidden)
 DDP_WIDTHS = (256, 512, 768)  # 4 Linear(h, h) layers: 1, 4 and 9 MiB of fp32 gradients
 PP_WIDTHS = (64, 256, 1024)  # a micro-batch of 4 × 32 tokens of width h: 32 KiB to 512 KiB sent between stages
 PP_MICROBATCHES = (2, 8)
+EP_WIDTHS = (64, 128, 256)  # 256 tokens, 2 of 8 experts each, of width h: 128 KiB to 512 KiB dispatched a rank
 REPEATS = 9
 
 
@@ -64,11 +65,14 @@ def _collectives(world: int) -> list[tuple[str, int, int, float]]:
         for nbytes in COLLECTIVE_SIZES:
             whole = torch.ones(nbytes // 4)
             part = torch.ones(nbytes // 4 // k)
+            sent = torch.empty_like(whole)
             pair = ranks[local ^ 1] if (local ^ 1) < k else None
             steps = {
                 "all_reduce": lambda: dist.all_reduce(whole, group=group),
                 "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group),
+                # expert parallelism's dispatch: each rank sends 1/k of its bytes to each rank (gloo has it on the CPU)
+                "all_to_all": lambda: dist.all_to_all_single(sent, whole, group=group),
                 "p2p": (lambda: dist.send(whole, pair, group=None)) if local % 2 == 0 else
                        (lambda: dist.recv(whole, pair, group=None)),
             }
@@ -303,11 +307,62 @@ def _pipeline_microbatch(world: int) -> list[tuple[str, int, int, float]]:
     return found
 
 
+class _Experts(nn.Module):
+    """Eight experts' weights in one 3-D tensor, called with the router's choices, as transformers holds them."""
+
+    def __init__(self, h: int, experts: int = 8):
+        super().__init__()
+        self.num_experts = experts
+        self.weight = nn.Parameter(torch.randn(experts, h, h) / h**0.5)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            rows, slot = torch.where(top_k_index == e)
+            out.index_add_(0, rows, (hidden[rows] @ self.weight[e]) * top_k_weights[rows, slot, None])
+        return out
+
+
+class _MixtureOfExperts(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.router = nn.Linear(h, 8, bias=False)
+        self.experts = _Experts(h)
+
+    def forward(self, x):
+        weights, chosen = torch.topk(torch.softmax(self.router(x), dim=-1), 2, dim=-1)
+        return self.experts(x, chosen, weights)
+
+
+def _expert_dispatch(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what spreading a mixture of experts over ``k`` ranks adds to its forward and backward
+    (:func:`nbtrain.expert_dispatch.spread_experts`: the sort, the counts' exchange, the two all-to-alls each way,
+    the wait for the most loaded rank), beyond the same layer with every expert local, by the bytes dispatched
+    (each token's hidden state to its 2 experts). Each rank computes, in expectation, the experts' FLOPs of its own
+    tokens either way."""
+    from nbtrain.expert_dispatch import spread_experts
+
+    found = []
+    for k in _groups(world):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "ep"))
+        for h in EP_WIDTHS:
+            torch.manual_seed(0)
+            plain = _MixtureOfExperts(h)
+            spread = copy.deepcopy(plain)
+            spread_experts(spread.experts, mesh)
+            torch.manual_seed(dist.get_rank())
+            fwd, bwd = _added(plain, spread, torch.randn(256, h))
+            nbytes = 256 * 2 * h * 4
+            found.append(("ep_forward", k, nbytes, _slowest(fwd)))
+            found.append(("ep_backward", k, nbytes, _slowest(bwd)))
+    return found
+
+
 def measure_in_worker(world: int) -> tuple[list, float]:
     """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
     torch.set_num_threads(1)
     return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _fsdp_blocks(world)
-            + _ddp_backward(world) + _pipeline_microbatch(world)), _compute_slowdown()
+            + _ddp_backward(world) + _pipeline_microbatch(world) + _expert_dispatch(world)), _compute_slowdown()
 
 
 def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:

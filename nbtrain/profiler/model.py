@@ -27,8 +27,8 @@ from torch import nn
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family
-from nbtrain.models.description import describe, planner_facts
-from nbtrain.models.experts import expert_facts
+from nbtrain.models.description import describe, planner_facts, slot_module
+from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.result import FITTED, QUANTITIES, LayerProfile, ModelProfile, Scaling
 from nbtrain.profiler.segments import first_tensor
@@ -223,11 +223,15 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
         layers.append(LayerProfile(layer_name, kind, owned[i], owned[i] * torch_dtype.itemsize, **exact,
                                    scaling=fits[i], tied=tuple(tied[i]), **measured))
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
-    arch.update(planner_facts(describe(model, tp_plan)))  # what the executor can split and cut, for the planner
+    description = describe(model, tp_plan)
+    arch.update(planner_facts(description))  # what the executor can split and cut, for the planner
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
     if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute
-        arch.update(experts=moe.experts, experts_per_token=moe.per_token, expert_params=moe.params)
+        arch.update(experts=moe.experts, experts_per_token=moe.per_token, expert_params=moe.params,
+                    layer_expert_params=expert_params_by_layer(
+                        [[slot_module(parent, attr) for parent, attr in slots] for slots in description.layers]),
+                    no_expert_parallel=expert_parallel_problem(model, 1))  # why ep cannot spread them ("": it can)
     if asked.expected_routing and arch.get("traced_stages") and not arch.get("no_pipeline"):
         arch["no_pipeline"] = (f"{type(model).__name__} picks its experts' tokens by their values (torch.where on the "
                                "router's choices), which torch.export cannot cut into pipeline stages")

@@ -24,6 +24,10 @@ from nbtrain.planner.strategy import Strategy
 from nbtrain.run.placement import rank_device
 
 AXES = ("dp_replicate", "dp_shard", "tp")
+EXPERT_AXES = ("edp_replicate", "edp_shard", "ep")
+"""A layer's experts under ``ep``: the data-parallel ranks ``dp_replicate × dp_shard`` seen as ``edp_replicate ×
+edp_shard × ep`` (ep innermost, as torchtitan borrows it from dp_shard), the experts spread over ``ep`` and
+data-parallel (replicated × sharded) over the rest (:attr:`~nbtrain.planner.strategy.Strategy.expert_degrees`)."""
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +59,12 @@ class PlanMeshes:
             if shape not in self._worlds:
                 self._worlds[shape] = init_device_mesh(self.device.type, (plan.pp, *shape),
                                                        mesh_dim_names=("pp", *AXES))
+        self._experts: dict[tuple[int, int, int, int], DeviceMesh] = {}
+        for s in plan.layers:
+            key = (s.dp_replicate, s.dp_shard, s.tp, s.ep)
+            if s.ep > 1 and key not in self._experts:
+                self._experts[key] = init_device_mesh(self.device.type, (plan.pp, *s.expert_degrees, s.ep, s.tp),
+                                                      mesh_dim_names=("pp", *EXPERT_AXES, "tp"))
 
         # one group per stage, created by every rank in the same order (new_group is collective)
         groups = [dist.new_group(self.stage_ranks(i)) for i in range(plan.pp)] if plan.pp > 1 else [dist.group.WORLD]
@@ -73,6 +83,11 @@ class PlanMeshes:
     def for_strategy(self, s: Strategy) -> DeviceMesh:
         """The mesh ``(dp_replicate, dp_shard, tp)`` of this process's stage, for a layer of strategy ``s``."""
         return self._worlds[(s.dp_replicate, s.dp_shard, s.tp)][AXES]
+
+    def for_experts(self, s: Strategy) -> DeviceMesh:
+        """The mesh ``(edp_replicate, edp_shard, ep)`` of this process's stage for the experts of a layer of strategy
+        ``s`` (``s.ep > 1``): the same ranks as :meth:`for_strategy`'s data-parallel axes, regrouped."""
+        return self._experts[(s.dp_replicate, s.dp_shard, s.tp, s.ep)][EXPERT_AXES]
 
     def for_layer(self, index: int) -> DeviceMesh:
         return self.for_strategy(self.plan.layers[index])

@@ -37,9 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.expert_dispatch import spread_experts
 from nbtrain.models.description import (ModelDescription, WholeModel, describe, set_slot_module,
                                         slot_module)
-from nbtrain.models.experts import expert_facts
+from nbtrain.models.experts import expert_facts, expert_modules, expert_parallel_problem
 from nbtrain.models.stages import stage_layers
 from nbtrain.models.tensor_parallel import sequence_style, style_for
 from nbtrain.planner.plan import Plan
@@ -84,9 +85,15 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     check_plan(model, plan, description)
     model.__dict__["_nbtrain_description"] = description  # for the pipeline stage and the FSDP root (described)
     if is_plain_data_parallel(plan):
+        spread = []  # experts spread over every replica: each rank holds its own, which DDP must leave alone
         for i, s in enumerate(plan.layers):
+            spread += _spread_experts(layers[i], s, meshes)
             if s.ac:
                 _checkpoint(layers[i], s.ac)
+        if spread:
+            owned = {id(p) for module in spread for p in module.parameters()}
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, [name for name, p in model.named_parameters() if id(p) in owned])
         if values is not None:  # every rank holds the whole model under DDP
             materialize(model, [model], meshes.device, values)
         group = meshes.for_strategy(plan.layers[0])["dp_replicate"].get_group()
@@ -95,7 +102,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         # a mixture of experts leaves the experts no token reached on a rank without gradients there: DDP must look
         # for them each step, or it waits for their all-reduce forever
         return DistributedDataParallel(model, device_ids=device_ids, process_group=group,
-                                       find_unused_parameters=expert_facts(model) is not None,
+                                       find_unused_parameters=expert_facts(model) is not None and not spread,
                                        **buffer_sync(has_running_statistics(model)))
     start, end = plan.stage_ranges()[meshes.stage]
     last = plan.num_layers - 1
@@ -111,6 +118,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         model.__dict__["_nbtrain_traced"] = traced  # for the pipeline stage (pipeline.py)
     together = bool(ties) and plan.pp == 1  # the embedding and the head in one stage: one parameter, one FSDP group
     policy = mixed_precision or MixedPrecisionPolicy()
+    alone: set = set()  # experts spread over all of their layer's data-parallel ranks: outside every FSDP group
     for i in range(start, end):
         s: Strategy = plan.layers[i]
         slots = layers[i]
@@ -131,11 +139,18 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             description.local_heads(i, s.tp)
             if together and i == last:  # TP gave the head a DTensor of its own: the embedding's, laid out alike
                 retie(ties, to="first")
+        experts = _spread_experts(slots, s, meshes)  # before checkpointing wraps them and FSDP2 shards them again
         if s.ac:
             _checkpoint(slots, s.ac)
+        if s.dp > s.ep:  # the experts' own FSDP group, over the ranks that hold the same experts
+            for module in experts:
+                fully_shard(module, mesh=meshes.for_experts(s)["edp_replicate", "edp_shard"],
+                            reshard_after_forward=s.zero == 3, mp_policy=policy)
+        else:  # no rank holds the same experts: nothing to sync, and FSDP2 would only copy them in and out
+            alone |= {p for module in experts for p in module.parameters()}
         if s.dp > 1 and not (together and i in (0, last)):
             fully_shard([slot_module(p, a) for p, a in slots], mesh=mesh["dp_replicate", "dp_shard"],
-                        reshard_after_forward=s.zero == 3, mp_policy=policy)
+                        reshard_after_forward=s.zero == 3, mp_policy=policy, ignored_params=alone or None)
         if s.dp > 1 and together and i == last:  # a shared weight must live in one FSDP group
             group = [slot_module(p, a) for p, a in layers[0] + slots]
             fully_shard(group, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=s.zero == 3,
@@ -152,7 +167,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
     if traced is not None:  # the stage's parameters, sharded, become the model's (tied copies under both names)
         stray = {p for p in traced.module.parameters()} - {p for i in range(start, end) for parent, attr in layers[i]
                                                              for p in slot_module(parent, attr).parameters()}
-        add_fsdp_root(traced.module, layers, plan, meshes, policy, ignored=stray)
+        add_fsdp_root(traced.module, layers, plan, meshes, policy, ignored=stray | alone)
         write_back(model, traced)
     elif ties and not together:  # this stage's copy of the shared weight, under both names in this process
         if start == 0:
@@ -160,7 +175,7 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         elif end == plan.num_layers:
             retie(ties, to="last")
     if plan.pp == 1 and plan.num_layers > 1:  # a pipeline stage's root is its stage module (pipeline.py)
-        add_fsdp_root(model, layers, plan, meshes, policy)
+        add_fsdp_root(model, layers, plan, meshes, policy, ignored=alone)
     _place_stage(model, layers, traced, plan, meshes, None if traced is not None else values)
     return model
 
@@ -186,6 +201,15 @@ def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: Pla
         return
     used = {id(p) for module in mine for p in module.parameters()}
     place_module(traced.module, meshes.device, skip={p for p in traced.module.parameters() if id(p) not in used})
+
+
+def _spread_experts(slots, s: Strategy, meshes: PlanMeshes) -> list[nn.Module]:
+    """Spread the experts inside a layer's modules over ``s.ep`` ranks (:mod:`nbtrain.expert_dispatch`); returns
+    the experts modules spread (none when ``s.ep`` is 1)."""
+    experts = [m for p, a in slots for _, m in expert_modules(slot_module(p, a))] if s.ep > 1 else []
+    for module in experts:
+        spread_experts(module, meshes.for_experts(s))
+    return experts
 
 
 def op_policy():
@@ -292,8 +316,10 @@ def buffer_sync(before_forward: bool) -> dict:
 
 
 def is_plain_data_parallel(plan: Plan) -> bool:
-    """Whether every layer is replicated over all devices of one stage (DDP): no sharding, TP or pipeline."""
-    return plan.pp == 1 and all(s.dp_replicate == plan.num_devices and s.dp_replicate > 1 for s in plan.layers)
+    """Whether every layer is replicated over all devices of one stage (DDP): no sharding, TP or pipeline, and
+    experts either not spread or spread over every rank (each rank's own experts, which DDP leaves alone)."""
+    return plan.pp == 1 and all(s.dp_replicate == plan.num_devices and s.dp_replicate > 1 and s.ep in (1, s.dp)
+                                for s in plan.layers)
 
 
 def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | None = None,
@@ -311,6 +337,11 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
                                "executor runs the CPU update offload with data parallelism (dp_replicate, dp_shard) "
                                "in one pipeline stage, not yet with tensor or pipeline parallelism; plan with "
                                "SearchOptions(offload_levels=(0.0,)) or remove 'offload=' from the plan")
+    spread = next((i for i, s in enumerate(plan.layers) if s.ep > 1), None)
+    problem = expert_parallel_problem(model, plan.layers[spread].ep) if spread is not None else ""
+    if problem:
+        raise InvalidPlanError(f"layer {spread} asks for ep={plan.layers[spread].ep}, but {problem}; use ep=1 (the "
+                               "experts then run with the layer's data parallelism)")
     if offloaded and d.no_offload:
         raise InvalidPlanError(f"layer {offloaded[0]} asks for offload={plan.layers[offloaded[0]].offload:g}, but "
                                f"{d.no_offload} (remove 'offload=' from the plan)")
