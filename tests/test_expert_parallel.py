@@ -107,6 +107,18 @@ def test_the_trained_weights_of_spread_experts_with_their_update_offloaded_are_o
     assert report.ok, str(report)
 
 
+def test_a_plain_torch_mixture_that_computes_with_its_picked_tokens_without_branching_on_them_is_pipelined():
+    """torch.export gives the count of an expert's tokens a symbol, so a forward that only computes with them traces
+    into pipeline stages (the profile offers pipelines), and trains like one process; the ModuleList MoE's ``if
+    rows.numel():`` does not (tests/test_mixture_of_experts.py: the profile says why)."""
+    from nbtrain.run.verify import verify
+
+    assert not nbtrain.profile(plain_stacked_moe(), batch_size=2, seq_len=16).arch["no_pipeline"]
+    report = verify("tests.test_expert_parallel:plain_stacked_moe", "pp=2 mb=2", processes=2, steps=5, batch=4,
+                    seq=16, timeout=180)
+    assert report.ok, str(report)
+
+
 def _held_experts(rank, world, port, plan_text, queue):
     with gloo_worker(rank, world, port, queue) as report:
         from nbtrain.run.parallel.mesh import PlanMeshes

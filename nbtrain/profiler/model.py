@@ -30,6 +30,7 @@ from nbtrain.models.adapters import ModelFamily, detect_family
 from nbtrain.models.description import describe, planner_facts, slot_module
 from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
+from nbtrain.profiler.routing import why_not_traced
 from nbtrain.profiler.result import FITTED, QUANTITIES, LayerProfile, ModelProfile, Scaling
 from nbtrain.profiler.segments import first_tensor
 from nbtrain.profiler.trace import Counts, Step, count, time_step
@@ -233,9 +234,14 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                         [[slot_module(parent, attr) for parent, attr in slots] for slots in description.layers]),
                     no_expert_parallel=expert_parallel_problem(model, 1))  # why ep cannot spread them ("": it can)
     if asked.expected_routing and arch.get("traced_stages") and not arch.get("no_pipeline"):
-        arch["no_pipeline"] = (f"{type(model).__name__} picks its experts' tokens by their values (torch.where on the "
-                               "router's choices), which torch.export cannot cut into pipeline stages")
-        arch["cuts_stages"] = False
+        # its experts' tokens are picked by value: whether it traces depends on what its forward does with them
+        why = why_not_traced(model, description.names[1][0], (inputs or default_inputs)(1, seq_len, "cpu")[0]) \
+            if not any(p.is_meta for p in model.parameters()) and len(description.names) > 1 else "on meta"
+        if why:
+            arch["no_pipeline"] = (f"{type(model).__name__} picks its experts' tokens by their values (torch.where on "
+                                   f"the router's choices), which torch.export could not cut into pipeline stages "
+                                   f"({why})")
+            arch["cuts_stages"] = False
     return ModelProfile(
         model=label, family=family.name, batch_size=batch_size, seq_len=seq_len,
         dtype=str(torch_dtype).removeprefix("torch."), layers=tuple(layers),

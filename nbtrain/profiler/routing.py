@@ -18,7 +18,13 @@ an fp32 profile (a CPU run's) gets an empty output of the shape the CPU kernel r
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
+import warnings
+
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -57,3 +63,28 @@ def _grouped_mm_like(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     else:
         shape = (mat_a.shape[1], mat_b.shape[-1])
     return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+def why_not_traced(model: nn.Module, second_layer: str, args) -> str:
+    """Why ``torch.distributed.pipelining.pipeline()`` cannot trace ``model`` on ``args`` (one small batch of real
+    inputs: a tuple of positional arguments, or a dict of keyword ones) and cut it before ``second_layer``, as the
+    executor's traced pipeline stages do (:mod:`nbtrain.run.parallel.traced_stages`); ``""`` when it can.
+
+    Routing by value traces when the forward only computes with the picked tokens (``torch.export`` gives their
+    count a symbol), and not when it branches on them (``if rows.numel():``). A copy is traced, so the model's own
+    modules keep their forward (``pipeline()`` marks the split modules in place)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    positional, keywords = ((), args) if isinstance(args, dict) else (tuple(args), {})
+    try:  # a refusal prints the traced graph, and torch's pytree warns of its own deprecations: neither is for users
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            pipeline(copy.deepcopy(model), mb_args=positional, mb_kwargs=keywords,
+                     split_spec={second_layer: SplitPoint.BEGINNING})
+    except Exception as error:  # torch.export's refusals are long: the innermost cause's first line says what
+        while error.__cause__ is not None:
+            error = error.__cause__
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"{type(error).__name__}: {first}"
+    return ""
