@@ -81,7 +81,8 @@ def test_experts_spread_over_two_ranks_train_like_one_process(build):
 @pytest.mark.parametrize("build, plans", [
     (mixtral, ["dp_shard=4 ep=2", "dp_replicate=2 dp_shard=2 ep=2", "pp=2 mb=2 dp_shard=2 ep=2"]),
     (qwen3_moe, ["dp_shard=4 ep=2", "dp_shard=4 ep=4"]),
-], ids=["mixtral", "qwen3-moe"])
+    (plain_stacked_moe, ["dp_shard=4 ep=2"]),
+], ids=["mixtral", "qwen3-moe", "plain-torch"])
 def test_experts_spread_with_fsdp_over_the_other_ranks_on_four_processes_train_like_one_process(build, plans):
     reference = reference_losses(build)
     got = distributed_losses(build, plans, world=4)
