@@ -68,9 +68,15 @@ def plain_stacked_moe():
 
 # ---- train -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("build", [mixtral, qwen3_moe, plain_stacked_moe], ids=["mixtral", "qwen3-moe", "plain-torch"])
-def test_experts_spread_over_two_ranks_train_like_one_process(build):
-    plans = ["ep=2", "dp_shard=2 ep=2 ac", "dp_shard=2 zero=2 ep=2 ac=op"]
+SPREAD = ["ep=2", "dp_shard=2 ep=2 ac", "dp_shard=2 zero=2 ep=2 ac=op"]
+
+
+@pytest.mark.parametrize("build, plans", [
+    (mixtral, SPREAD), (qwen3_moe, SPREAD),
+    # and without ep, as tests/test_mixture_of_experts.py trains the transformers models
+    (plain_stacked_moe, SPREAD + ["dp_shard=2", "dp_replicate=2", "dp_shard=2 ac"]),
+], ids=["mixtral", "qwen3-moe", "plain-torch"])
+def test_experts_spread_over_two_ranks_train_like_one_process(build, plans):
     reference = reference_losses(build)
     got = distributed_losses(build, plans, world=2)
     for plan in plans:
