@@ -154,6 +154,18 @@ def distributed_losses(build, plans: list[str], world: int, clip_norm: float | N
     return spawn_group(_worker, world, build, plans, clip_norm, split_logits, timeout=timeout)
 
 
+def assert_trains_like_one_process(build, plans: list[str], world: int) -> list[float]:
+    """Each of ``plans`` on ``world`` spawned gloo processes gives one process's losses step by step (relative
+    1e-4); returns the one process's losses."""
+    import pytest
+
+    reference = reference_losses(build)
+    got = distributed_losses(build, plans, world=world)
+    for plan in plans:
+        assert got[plan] == pytest.approx(reference, rel=1e-4), plan
+    return reference
+
+
 def losses_by_world(build, plans: dict[int, list[str]]) -> dict:
     """``{"reference": [loss per step] of one process, world: {plan: [loss per step]}}`` for each world size's
     plans, run in that many spawned gloo processes."""

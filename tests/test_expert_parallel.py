@@ -24,7 +24,8 @@ from nbtrain.planner.plan import Plan
 from nbtrain.planner.search_space import SearchOptions
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.model import lm_loss
-from tests.distributed_fixtures import BATCH, batches, distributed_losses, gloo_worker, reference_losses, spawn_group
+from tests.distributed_fixtures import (BATCH, assert_trains_like_one_process, batches, distributed_losses,
+                                        gloo_worker, reference_losses, spawn_group)
 from tests.test_mixture_of_experts import PlainMoE, mixtral, qwen3_moe
 
 
@@ -77,10 +78,7 @@ SPREAD = ["ep=2", "dp_shard=2 ep=2 ac", "dp_shard=2 zero=2 ep=2 ac=op"]
     (plain_stacked_moe, SPREAD + ["dp_shard=2", "dp_replicate=2", "dp_shard=2 ac"]),
 ], ids=["mixtral", "qwen3-moe", "plain-torch"])
 def test_experts_spread_over_two_ranks_train_like_one_process(build, plans):
-    reference = reference_losses(build)
-    got = distributed_losses(build, plans, world=2)
-    for plan in plans:
-        assert got[plan] == pytest.approx(reference, rel=1e-4), plan
+    reference = assert_trains_like_one_process(build, plans, world=2)
     assert reference[-1] < reference[0]
 
 
@@ -90,10 +88,7 @@ def test_experts_spread_over_two_ranks_train_like_one_process(build, plans):
     (plain_stacked_moe, ["dp_shard=4 ep=2"]),
 ], ids=["mixtral", "qwen3-moe", "plain-torch"])
 def test_experts_spread_with_fsdp_over_the_other_ranks_on_four_processes_train_like_one_process(build, plans):
-    reference = reference_losses(build)
-    got = distributed_losses(build, plans, world=4)
-    for plan in plans:
-        assert got[plan] == pytest.approx(reference, rel=1e-4), plan
+    assert_trains_like_one_process(build, plans, world=4)
 
 
 def test_clipping_counts_each_spread_expert_once():

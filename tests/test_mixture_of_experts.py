@@ -16,7 +16,7 @@ import nbtrain
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost import estimate
 from nbtrain.planner.plan import Plan
-from tests.distributed_fixtures import VOCAB, distributed_losses, reference_losses
+from tests.distributed_fixtures import VOCAB, assert_trains_like_one_process
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
@@ -166,10 +166,7 @@ def test_nbtrain_profile_on_the_command_line_takes_a_mixtral(tmp_path, capsys, m
     (PlainMoE, ["dp_shard=2", "dp_replicate=2", "dp_shard=2 ac=op"]),
 ], ids=["mixtral", "qwen3-moe", "plain-torch"])
 def test_a_mixture_of_experts_trains_like_one_process(build, plans):
-    reference = reference_losses(build)
-    got = distributed_losses(build, plans, world=2)
-    for plan in plans:
-        assert got[plan] == pytest.approx(reference, rel=1e-4), plan
+    reference = assert_trains_like_one_process(build, plans, world=2)
     assert reference[-1] < reference[0]
 
 
