@@ -83,11 +83,6 @@ def schedules(inst: Instance, pp: int, m: int) -> tuple[str, ...]:
     return ("gpipe",) if m < pp else inst.options.schedules
 
 
-def runnable(layers) -> bool:
-    """search's rule: the executor offloads only plans without TP on any layer."""
-    return not (any(s.offload for s in layers) and any(s.tp > 1 for s in layers))
-
-
 def space(inst: Instance, pp: int, m: int) -> list[Strategy]:
     """The layer strategies of one stage: the pruned space, less what the batch or the heads cannot take."""
     o, c = inst.options, inst.cluster
@@ -111,11 +106,7 @@ def count_plans(inst: Instance) -> int:
     for pp in pipeline_degrees(inst):
         for m in microbatch_counts(inst, pp):
             every = space(inst, pp, m)
-            no_offload = sum(not s.offload for s in every)
-            no_tp = sum(s.tp == 1 for s in every)
-            both = sum(not s.offload and s.tp == 1 for s in every)
-            per_partition = no_offload ** n + no_tp ** n - both ** n  # plans not mixing offload with TP
-            total += len(schedules(inst, pp, m)) * math.comb(n - 1, pp - 1) * per_partition
+            total += len(schedules(inst, pp, m)) * math.comb(n - 1, pp - 1) * len(every) ** n
     return total
 
 
@@ -134,8 +125,6 @@ def every_plan(seed: int) -> tuple[Instance, list[tuple[float, float, bool, Plan
             for schedule in schedules(inst, pp, m):
                 for stages in partitions(n, pp):
                     for layers in itertools.product(strategies, repeat=n):
-                        if not runnable(layers):
-                            continue
                         plan = Plan(num_devices=inst.cluster.num_devices, layers=layers, pp=pp, microbatches=m,
                                     schedule=schedule, stages=stages, global_batch=inst.global_batch,
                                     seq_len=inst.profile.seq_len)

@@ -104,16 +104,10 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
                                                expert_degrees=expert_degrees)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
                      and (s.tp == 1 or not unit or unit % s.tp == 0) and (not s.sp or model.seq_len % s.tp == 0)]
-            # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallel.parallelize.check_plan), so
-            # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
-            spaces = [[s for s in space if not s.offload]]
-            if any(s.offload for s in space):
-                spaces.append([s for s in space if s.tp == 1])
-            for part in spaces:
-                if not part:
-                    continue
-                layouts = sorted({s.layout for s in part})
-                layout_of = np.array([layouts.index(s.layout) for s in part])
-                for schedule in schedules_for(pp, m, opts):
-                    tasks.append(Task(pp, m, schedule, part, layouts, layout_of))
+            if not space:
+                continue
+            layouts = sorted({s.layout for s in space})
+            layout_of = np.array([layouts.index(s.layout) for s in space])
+            for schedule in schedules_for(pp, m, opts):
+                tasks.append(Task(pp, m, schedule, space, layouts, layout_of))
     return tasks
