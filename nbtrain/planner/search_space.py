@@ -75,7 +75,10 @@ def schedules_for(pp: int, microbatches: int, opts: SearchOptions) -> tuple[str,
     return ("gpipe",)
 
 
-def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
+def tasks(model: CostModel, opts: SearchOptions, mixed: bool = True) -> list[Task]:
+    """The sub-problems of the search. ``mixed=False``: offload and TP in two spaces (TP without offload; offload
+    with tp=1), each much smaller than their union; the search tries them first and the union (``mixed``) only when
+    nothing fits in them."""
     profile, cluster, batch = model.profile, model.cluster, model.global_batch
     n = len(profile.layers)
     heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
@@ -104,10 +107,13 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
                                                expert_degrees=expert_degrees)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
                      and (s.tp == 1 or not unit or unit % s.tp == 0) and (not s.sp or model.seq_len % s.tp == 0)]
-            if not space:
-                continue
-            layouts = sorted({s.layout for s in space})
-            layout_of = np.array([layouts.index(s.layout) for s in space])
-            for schedule in schedules_for(pp, m, opts):
-                tasks.append(Task(pp, m, schedule, space, layouts, layout_of))
+            spaces = [space] if mixed or not any(s.offload for s in space) else \
+                [[s for s in space if not s.offload], [s for s in space if s.tp == 1]]
+            for part in spaces:
+                if not part:
+                    continue
+                layouts = sorted({s.layout for s in part})
+                layout_of = np.array([layouts.index(s.layout) for s in part])
+                for schedule in schedules_for(pp, m, opts):
+                    tasks.append(Task(pp, m, schedule, part, layouts, layout_of))
     return tasks
