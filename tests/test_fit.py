@@ -150,11 +150,11 @@ def test_cpu_update_offload_trains_like_the_device_update_and_records_the_overla
     assert rows == {"device", "cpu"} and on_device.trace is None
 
 
-def test_offload_with_tensor_parallelism_is_refused_before_anything_is_launched():
+def test_offload_in_a_pipeline_is_refused_before_anything_is_launched():
     model = nbtrain.build_preset("llama-tiny", device="cpu")
-    with pytest.raises(InvalidPlanError, match="offload=1; the executor runs the CPU update offload with data "
-                                               "parallelism"):
-        nbtrain.fit(model, tiny_batches(256), plan="tp=2 offload=1", steps=1, num_processes=2)
+    with pytest.raises(InvalidPlanError, match="offload=1; the executor runs the CPU update offload in one "
+                                               "pipeline stage"):
+        nbtrain.fit(model, tiny_batches(256), plan="pp=2 mb=2 offload=1", steps=1, num_processes=2)
 
 
 def nan_at(steps):

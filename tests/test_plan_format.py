@@ -440,8 +440,8 @@ def test_strategy_space_respects_the_caps_and_levels():
     space = strategy_space(2, devices_per_node=2, allow_ac=False, zero_levels=(3,), offload_levels=(0.0, 0.5, 1.0))
     assert [str(s) for s in space] == ["dp_replicate=2", "dp_replicate=2 offload=0.5", "dp_replicate=2 offload=1",
                                        "dp_shard=2", "dp_shard=2 offload=0.5", "dp_shard=2 offload=1",
-                                       "tp=2", "tp=2 sp"]  # offload only without TP: the executor offloads data
-    # parallel
+                                       "tp=2", "tp=2 offload=0.5", "tp=2 offload=1",
+                                       "tp=2 sp", "tp=2 sp offload=0.5", "tp=2 sp offload=1"]  # each rank its shard
     assert strategy_space(1, devices_per_node=8) == [S(), S(ac="op"), S(ac=True)]
 
 

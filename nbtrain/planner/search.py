@@ -7,7 +7,7 @@ For every pipeline degree ``pp`` (powers of two up to the layer count) and micro
 the global batch that are powers of two or leave a power of two of sequences per micro-batch: 1, 2, 3, 4, 6, 12
 for 12), the per-layer strategies come from the pruned space of
 :func:`~nbtrain.planner.strategy.strategy_space` (TP inside a node and dividing the heads, each data-parallel rank
-with at least one sequence; CPU update offload only without pipeline stages or TP anywhere in the plan, as the
+with at least one sequence; CPU update offload only without pipeline stages, as the
 executor runs it). Fewer micro-batches than stages (a global batch of 2 over 4 stages) run GPipe's schedule, which
 PyTorch takes with any count, where its ``Schedule1F1B`` refuses them: so a small batch on many devices gets a
 plan, as tensor and pipeline parallelism need no sequence per device. A tied embedding and head stay in one stage,
@@ -202,13 +202,14 @@ def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
     return options
 
 
-def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float) -> list[_Solver]:
+def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float,
+             mixed: bool = True) -> list[_Solver]:
     """One solver per task the search may take; a tied embedding and head get one per strategy they may share
     (no TP: the executor keeps the shared weight whole, in one FSDP group)."""
     profile = model.profile
     kinds = layer_kinds(profile)
     out = []
-    for task in tasks(model, _allowed(profile, options)):
+    for task in tasks(model, _allowed(profile, options), mixed):
         if not is_tied(profile):
             out.append(_Solver(model, task, budget, kinds, grid))
             continue
@@ -231,8 +232,18 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
     if budget <= 0:  # the reserve alone fills the budget: nothing fits (recommend.py says so)
         return []
     grid = budget / options.memory_grid if options.memory_grid else 0.0
-    solvers = _solvers(model, options, budget, grid)
-    # visit tasks by a lower bound on their step time (no memory limit, no re-layouts or transfers)
+    # offload mixed with TP only where nothing fits without the mix: their union is ~3x the search's work
+    for mixed in (False, True):
+        if not found:
+            _solve(model, _solvers(model, options, budget, grid, mixed), found, top, kinds, global_batch)
+    return [plan for _, plan in found[:top]]
+
+
+def _solve(model: CostModel, solvers: list[_Solver], found: list, top: int, kinds: list[int],
+           global_batch: int) -> None:
+    """Solve ``solvers``' tasks into ``found`` (step time, plan), fastest first, until no task can beat the ``top``
+    found: tasks are visited by a lower bound on their step time (no memory limit, no re-layouts or transfers)."""
+    profile, cluster = model.profile, model.cluster
     solvers.sort(key=lambda solver: solver.lower_bound)
     for solver in solvers:
         if len(found) >= top and solver.lower_bound >= found[top - 1][0]:
@@ -252,7 +263,6 @@ def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_le
             continue
         found.append((prediction.step_time_s, plan.replace(predicted=prediction)))
         found.sort(key=lambda x: x[0])
-    return [plan for _, plan in found[:top]]
 
 
 def layer_kinds(profile: ModelProfile) -> list[int]:

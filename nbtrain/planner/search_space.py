@@ -75,7 +75,10 @@ def schedules_for(pp: int, microbatches: int, opts: SearchOptions) -> tuple[str,
     return ("gpipe",)
 
 
-def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
+def tasks(model: CostModel, opts: SearchOptions, mixed: bool = True) -> list[Task]:
+    """The sub-problems of the search. ``mixed=False``: offload and TP in two spaces (TP without offload; offload
+    with tp=1), each much smaller than their union; the search tries them first and the union (``mixed``) only when
+    nothing fits in them."""
     profile, cluster, batch = model.profile, model.cluster, model.global_batch
     n = len(profile.layers)
     heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
@@ -104,11 +107,8 @@ def tasks(model: CostModel, opts: SearchOptions) -> list[Task]:
                                                expert_degrees=expert_degrees)
                      if batch % (m * s.dp) == 0 and (s.tp == 1 or not heads or heads % s.tp == 0)
                      and (s.tp == 1 or not unit or unit % s.tp == 0) and (not s.sp or model.seq_len % s.tp == 0)]
-            # the executor offloads only plans whose every layer is tp=1 (nbtrain.run.parallel.parallelize.check_plan), so
-            # offload and TP are two spaces: TP without offload, and offload with tp=1 everywhere
-            spaces = [[s for s in space if not s.offload]]
-            if any(s.offload for s in space):
-                spaces.append([s for s in space if s.tp == 1])
+            spaces = [space] if mixed or not any(s.offload for s in space) else \
+                [[s for s in space if not s.offload], [s for s in space if s.tp == 1]]
             for part in spaces:
                 if not part:
                     continue

@@ -215,7 +215,7 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
     """Every strategy one layer may take on ``devices`` devices (one pipeline stage), pruned as Galvatron does:
     power-of-two degrees, dp_replicate × dp_shard × tp == devices, tp inside a node (≤ devices_per_node) and
     ≤ max_tp, dp ≤ max_dp (the micro-batch size: each data-parallel rank needs at least one sequence), a ZeRO
-    level only when dp_shard > 1, an offload level only without TP (the executor offloads data-parallel layers),
+    level only when dp_shard > 1, every offload level (each rank offloads its own shard, TP's or FSDP's),
     sequence parallelism off and on wherever tp > 1 (``allow_sp``), checkpointing none, per-op selective (``ac=op``)
     or full, and each ``ep`` of ``expert_degrees`` that divides dp where tp = 1 (expert parallelism, for the layers
     with experts). Ordered by tp, dp_shard, zero,
@@ -247,7 +247,7 @@ def strategy_space(devices: int, *, devices_per_node: int, max_tp: int | None = 
             for zero in zero_levels if dp_shard > 1 else (3,):
                 for sp in (False, True) if tp > 1 and allow_sp else (False,):
                     for ac in AC_CHOICES if allow_ac else (False,):
-                        for offload in sorted(set(offload_levels)) if tp == 1 else (0.0,):
+                        for offload in sorted(set(offload_levels)):
                             for ep in sorted(set(expert_degrees) | {1}) if tp == 1 else (1,):
                                 if dp % ep:
                                     continue

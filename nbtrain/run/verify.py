@@ -246,7 +246,7 @@ def _without_randomness(model: nn.Module, ids, name: str) -> list[str]:
 
 def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int = 32,
            lr: float = 1e-2, seed: int = 0, timeout: float = 600, data=None, loss_fn=None,
-           tp_plan: dict[str, str] | None = None, weights=None) -> VerifyReport:
+           tp_plan: dict[str, str] | None = None, weights=None, clip_norm: float | None = 1.0) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
     ``processes`` processes, from the same initial weights and batches, with dropout off in both; compare.
 
@@ -254,7 +254,8 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     ``(inputs, targets)`` batches, as :func:`~nbtrain.run.fit.fit` takes) and ``loss_fn(output, targets)`` verify any
     other workload (a masked LM, an image classifier). ``tp_plan`` is the user's tensor-parallel plan. ``weights``
     (a folder, as :func:`~nbtrain.run.fit.fit` takes it) is where both start: the one process reads it whole, the
-    plan's processes each their part.
+    plan's processes each their part. ``clip_norm``: both clip their gradients' global norm to it (fit's default),
+    or neither (None).
     Raises :class:`~nbtrain.errors.InvalidArgumentError` for a model that still draws random numbers in training
     mode (a random op that is not dropout), and :class:`~nbtrain.errors.InvalidPlanError` for a plan the executor
     does not run on this model, both before anything trains."""
@@ -297,11 +298,12 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
         x, targets = data[step % len(data)]
         loss = loss_fn(call_model(reference_model, x, forward_kwargs), targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference_model.parameters(), 1.0)
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference_model.parameters(), clip_norm)
         optimizer.step()
         optimizer.zero_grad()
         reference.append(loss.item())
-    result = fit(parallel_model, data, plan=checked, steps=steps, num_processes=processes, lr=lr, clip_norm=1.0,
+    result = fit(parallel_model, data, plan=checked, steps=steps, num_processes=processes, lr=lr, clip_norm=clip_norm,
                  seed=seed, progress=False, timeout=timeout, loss_fn=loss_fn,
                  tp_plan=tp_plan, weights=weights)  # a hung worker fails the check, not the caller
     ref_state, got_state = reference_model.state_dict(), parallel_model.state_dict()

@@ -36,6 +36,10 @@ Data parallel under DDP: :mod:`nbtrain.run.offload.ddp`. Under FSDP2 (``dp_shard
 ``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:
 FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its reduce-scatter (and, hybrid, all-reduce) has
 produced the averaged gradient shard, so each rank hands over and updates its own shard, as it would in ZeRO-Offload.
+Under tensor parallelism (``tp``, alone or with FSDP2) the parameters are DTensors split over the TP ranks, and
+each rank again updates its own shard; a gradient may come with other placements than its parameter's (a row-wise
+split embedding's is whole, a weight that saw split activations may hold partial sums), so each is first given its
+parameter's (:func:`~nbtrain.run.offload.state.settle_gradients`). Spread experts (``ep``) are each rank's own.
 
 Threads. A kernel runs on the thread that calls it, with that thread's OpenMP thread count, and a new thread
 starts from the process-wide count. The worker sets its own count to ``threads`` (1) before any op, so it never

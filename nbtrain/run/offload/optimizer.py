@@ -27,7 +27,7 @@ from nbtrain.run.parallel.mesh import local_shard
 from nbtrain.run.offload.ddp import attach_ddp
 from nbtrain.run.offload.split import cut_layer
 from nbtrain.run.offload.state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
-                                       load_state, save_state, shard_groups)
+                                       load_state, save_state, settle_gradients, shard_groups)
 
 SCHEDULES = ("overlap", "after_backward")
 
@@ -143,6 +143,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not self._sync:
             return
         now, layer = perf_counter(), self._layers[self._layer_of[index]]
+        settle_gradients([param])
         with self._lock:  # the times say when backward produced the gradient, with or without DDP
             layer.first = now if layer.first is None else layer.first
             layer.ready = now
@@ -241,6 +242,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     self._grad_arrived(i, self._params[i].grad, submit=False)
         if self._copy_stream is not None:  # the offloaded pieces' norms were computed on the copy stream
             torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+        settle_gradients(self._params)  # those no hook settled (hooks off)
         device = [pc for layer in self._layers for pc in layer.device if pc.param.grad is not None]
         device_grads = [pc.view(pc.param.grad) for pc in device]
         scale = None
@@ -353,8 +355,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self.last_trace, self._landing = log.trace(), None
 
     def synchronize(self) -> None:
-        """Land every CPU update still running: afterwards the model holds the new weights of every layer. Forward
-        (each layer) and ``model.state_dict()`` do this by themselves; call it before reading parameters otherwise."""
+        """Land every CPU update still running (before reading parameters; forward and state_dict() land theirs)."""
         while self._pending:
             self._land(self._pending[0])
 
@@ -366,8 +367,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- life cycle and checkpoints -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Land the last step's updates (raising a worker's exception), remove the hooks and stop the worker thread.
-        Idempotent."""
+        """Land the last updates (raising a worker's exception), remove the hooks, stop the worker; idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -155,12 +155,26 @@ def cpu_update(layer: Layer, kind: str, scale: torch.Tensor | None, clip_norm: f
     layer.log.add("cpu", f"{label} {layer.index}", start)
 
 
+def settle_gradients(params) -> None:
+    """Give each DTensor parameter's gradient the parameter's placements. They may differ: a row-wise split embedding
+    (``Shard(0)``) gets its gradient whole (``Replicate()``), and a weight that sees split activations may get it
+    as per-rank partial sums; DTensor's own ops redistribute on use, but the offload works on local pieces, which
+    must be this rank's part of the parameter (a slice for a replicated gradient; an all-reduce for partial sums,
+    in the same hook order on every rank)."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 def shard_groups(param: torch.Tensor) -> tuple:
-    """The process groups over which a parameter is sharded (its DTensor mesh dimensions placed ``Shard``): a sum
-    of squares of its local shards over them is the sum over the whole parameter."""
+    """The process groups over which a parameter is sharded (its DTensor mesh dimensions not replicated: ``Shard``,
+    and FSDP2's ``_StridedShard`` over TP's, which torch does not count as ``is_shard()``): a sum of squares of its
+    local shards over them is the sum over the whole parameter."""
     if not isinstance(param, DTensor):
         return ()
-    return tuple(param.device_mesh.get_group(d) for d, placement in enumerate(param.placements) if placement.is_shard())
+    return tuple(param.device_mesh.get_group(d) for d, placement in enumerate(param.placements)
+                 if not placement.is_replicate())
 
 
 def global_norm(norms: list[list[torch.Tensor]], groups: list[tuple], devices: list[torch.device]) -> torch.Tensor:
