@@ -97,8 +97,10 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
         from nbtrain.run.offload.optimizer import OffloadedAdamW
 
         betas, eps, decay, _ = run.adamw
+        traced = plan.pp > 1 and "_nbtrain_traced" in model.__dict__  # its stage runs a graph's modules, not these
         optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
-                                              weight_decay=decay)
+                                              weight_decay=decay, layers=plan.stage_ranges()[meshes.stage],
+                                              land_at="step" if traced else "forward")
     elif run.optimizer is not None:
         optimizer = run.optimizer(by_mesh(model))
     else:

@@ -145,6 +145,8 @@ class Trainer:
             from nbtrain.run.parallel.pipeline import PipelineRunner
 
             self.pipeline = PipelineRunner(model, plan, meshes, self._pipeline_loss)
+            if self.offloaded:
+                self.pipeline.hand_over_to(optimizer, meshes.pp_mesh().get_group())
         # what every training forward passes (use_cache=False: a Hugging Face model builds no KV cache in training)
         self.forward_kwargs = detect_family(getattr(model, "module", model)).forward_kwargs
         self.split_logits = has_split_logits(model)  # the loss runs on logits split over the vocabulary
@@ -258,8 +260,7 @@ class Trainer:
         return counted_targets(targets) * self.plan.layers[-1].dp / self._counted
 
     def _pipeline_loss(self, output, targets):
-        # the schedule divides each micro-batch's loss by m itself
-        return self.loss_fn(output, targets) * (self._share(targets) * self.plan.microbatches)
+        return self.loss_fn(output, targets) * self._share(targets)  # the schedule sums the micro-batches
 
     def _accumulate(self, ids, targets) -> torch.Tensor:
         """Forward and backward of each micro-batch, gradients accumulated; returns the mean loss of the rows."""

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from time import perf_counter
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nbtrain.errors import InvalidArgumentError
@@ -98,14 +99,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.last_overlapped, self._queued = 0, []
         """How many layers' CPU updates the last step queued during backward (the rest waited for ``step()``)."""
         self.clipped_steps = self.rollbacks = 0
+        self._pipeline_group, self._counted_elsewhere, self._at_step = None, set(), set()
+
+    def join_pipeline(self, group, *, counted_elsewhere=(), at_step=()) -> None:
+        """This optimizer updates one pipeline stage: the clipping norm sums its squares over ``group`` (the
+        stages), leaving out ``counted_elsewhere`` (a tied embedding's copy another stage counts); the gradients of
+        ``at_step`` (that copy and its twin, summed between the stages after backward) are handed over in
+        ``step()``, not as backward produces them."""
+        self._pipeline_group = group
+        self._counted_elsewhere = {self._index[id(p)] for p in counted_elsewhere if id(p) in self._index}
+        self._at_step = {self._index[id(p)] for p in at_step if id(p) in self._index}
 
     @classmethod
-    def from_model(cls, model: nn.Module, offload=1.0, *, land_at: str = "forward", **kwargs) -> OffloadedAdamW:
+    def from_model(cls, model: nn.Module, offload=1.0, *, land_at: str = "forward", layers: tuple[int, int] | None = None,
+                   **kwargs) -> OffloadedAdamW:
         """For an nbtrain GPT or a Hugging Face GPT-2 / Llama, bare, under FSDP2, or wrapped in
         DistributedDataParallel (then its all-reduce hands over the gradients:
         :func:`~nbtrain.run.offload.ddp.attach_ddp`). ``offload`` may be a ``Plan``: its layers' ``offload``
         fractions. ``land_at="forward"``: each layer's CPU update may run on into the next forward, which waits for
-        it at that layer (and ``model.state_dict()`` waits for all); ``"step"``: ``step()`` waits for every update."""
+        it at that layer (and ``model.state_dict()`` waits for all); ``"step"``: ``step()`` waits for every update.
+        ``layers=(start, end)``: only those layers (a pipeline stage's), ``offload`` still one entry per layer."""
         from torch.nn.parallel import DistributedDataParallel
 
         from nbtrain.models.description import layer_slots, slot_module
@@ -116,8 +129,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if land_at not in ("forward", "step"):
             raise InvalidArgumentError(f"land_at must be 'forward' or 'step'; got {land_at!r}")
         modules = [[slot_module(parent, attr) for parent, attr in slots] for slots in layer_slots(inner)]
-        layers = [[p for module in layer for p in module.parameters()] for layer in modules]
-        opt = cls(layers, offload, land_before=modules if land_at == "forward" else None, **kwargs)
+        start, end = layers if layers is not None else (0, len(modules))
+        if not isinstance(offload, (int, float)):
+            offload = list(offload)[start:end]
+        modules = modules[start:end]
+        params = [[p for module in layer for p in module.parameters()] for layer in modules]
+        opt = cls(params, offload, land_before=modules if land_at == "forward" else None, **kwargs)
         if land_at == "forward":  # a checkpoint taken between steps holds the new weights
             opt._handles.append(inner.register_state_dict_pre_hook(lambda *_: opt.synchronize()))
         if isinstance(model, DistributedDataParallel):
@@ -140,7 +157,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     # -- gradients arriving during backward -----------------------------------------------------------------------
 
     def _param_hook(self, index: int, param: torch.Tensor) -> None:
-        if not self._sync:
+        if not self._sync or index in self._at_step:
             return
         now, layer = perf_counter(), self._layers[self._layer_of[index]]
         settle_gradients([param])
@@ -291,8 +308,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _total_norm(self) -> torch.Tensor:
         """The norm of every gradient of the step, over every rank (:func:`global_norm`)."""
         norms = [[pc.norm for pc in pieces if (pc.on_cpu and pc.index in self._layers[self._layer_of[i]].arrived)
-                  or (not pc.on_cpu and pc.param.grad is not None)] for i, pieces in enumerate(self._pieces_of)]
-        return global_norm(norms, self._norm_groups, [local_shard(p).device for p in self._params])
+                  or (not pc.on_cpu and pc.param.grad is not None)] if i not in self._counted_elsewhere else []
+                 for i, pieces in enumerate(self._pieces_of)]
+        total = global_norm(norms, self._norm_groups, [local_shard(p).device for p in self._params])
+        if self._pipeline_group is None:
+            return total
+        square = total.square().to(local_shard(self._params[0]).device)  # the stages' squares, over the pp group
+        dist.all_reduce(square, group=self._pipeline_group)
+        return square.cpu().sqrt()
 
     def _end_step(self, failed: bool) -> None:
         """Record the step's device events and start the next step's log; after a failure, first wait for whatever

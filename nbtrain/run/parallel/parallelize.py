@@ -332,11 +332,6 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
         raise InvalidPlanError(f"the plan has {plan.num_layers} layers but {kind} has {len(d.layers)} "
                                "(embeddings, blocks, head)")
     offloaded = [i for i, s in enumerate(plan.layers) if s.offload > 0]
-    if offloaded and plan.pp > 1:
-        raise InvalidPlanError(f"layer {offloaded[0]} asks for offload={plan.layers[offloaded[0]].offload:g}; the "
-                               "executor runs the CPU update offload in one pipeline stage (with data, tensor and "
-                               "expert parallelism), not yet in a pipeline; plan with pp=1, or remove 'offload=' "
-                               "from the plan")
     spread = next((i for i, s in enumerate(plan.layers) if s.ep > 1), None)
     problem = expert_parallel_problem(model, plan.layers[spread].ep) if spread is not None else ""
     if problem:

@@ -1,15 +1,18 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: cut the model where the plan says, run a schedule.
 
     >>> runner = PipelineRunner(model, plan, meshes, loss_fn)    # after parallelize(model, plan, meshes)
-    >>> loss = runner.step(local_ids, local_targets)            # mean loss of this data-parallel slice, or None
+    >>> loss = runner.step(local_ids, local_targets)            # loss of this data-parallel slice, or None
 
 Stage ``i`` runs on devices ``[i·D, (i+1)·D)`` (pp is the outermost mesh axis); inside a stage the layers keep
 their data-parallel and tensor-parallel strategies. The stage module holds the model's own submodules, so the
 trained weights are the model's; a model whose stages are traced (:mod:`nbtrain.run.parallel.traced_stages`: BERT, ViT, T5,
 a user's CNN) runs its traced graph through ``build_stage``, its first stage takes the batch's inputs as the model
 does (a dict as keywords), and the loss gets the model's output structure back. GPipe runs every micro-batch forward, then every backward; 1F1B (Narayanan et
-al. 2021) interleaves them so stage ``i`` holds at most ``pp − i`` micro-batches of activations. Both scale each
-micro-batch's gradient by ``1/m``, which makes the gradient of the mean loss, as one process computes it.
+al. 2021) interleaves them so stage ``i`` holds at most ``pp − i`` micro-batches of activations. The loss function
+weighs each micro-batch's loss by its share of the step's (``1/m`` when they count alike), so the accumulated
+gradients are those of the mean loss, as one process computes them, as soon as the last backward has run (the
+schedules' own division of the gradients by ``m`` after backward is off: a CPU update offload hands each gradient
+over as the last backward produces it, :meth:`PipelineRunner.hand_over_to`).
 
 A head tied to the token embedding in another stage (GPT-2's ``lm_head`` and ``wte``) is handled as Megatron-LM
 does it (Shoeybi et al. 2019; Narayanan et al. 2021, §2.2, "the embedding group"): the first and the last stage
@@ -76,7 +79,8 @@ class PipelineRunner:
             loss = loss_fn
         self.first, self.last = meshes.stage == 0, meshes.stage == plan.pp - 1
         self.microbatches = plan.microbatches
-        self.schedule = SCHEDULES[plan.schedule](self.stage, n_microbatches=plan.microbatches, loss_fn=loss)
+        self.schedule = SCHEDULES[plan.schedule](self.stage, n_microbatches=plan.microbatches, loss_fn=loss,
+                                                 scale_grads=False)  # loss_fn weighs each micro-batch itself
         # a head tied to the embedding in another stage: the slots holding this stage's copy of the shared weight
         self.tied: list[tuple[nn.Module, str]] = []
         self.embedding_group = None
@@ -111,9 +115,42 @@ class PipelineRunner:
             with torch.no_grad():
                 dist.all_reduce(local_shard(grad), group=self.embedding_group)
 
+    def hand_over_to(self, optimizer, pipeline_group) -> None:
+        """Let an offloaded optimizer (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`) start each layer's
+        CPU update during this stage's last micro-batch backward, as it does without a pipeline.
+
+        The schedules run a stage's backward once per micro-batch through ``backward_maybe_with_nosync``; this
+        stage's is wrapped so that every backward but the last runs under the optimizer's ``no_sync()`` (its hooks
+        hand nothing over while gradients accumulate), and, under FSDP2, the last one reduce-scatters as it goes
+        (torch's pipelining defers every reduction to after the last backward, which would leave the CPU nothing
+        to overlap). The schedule's own reduction afterwards then finds nothing left to reduce (FSDP2's
+        ``post_backward`` is a no-op for groups already reduced). The clipping norm sums over the stages, counting
+        a tied embedding once; its copies' gradients are handed over in ``step()``, after :meth:`sync_tied`."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.pipelining.stage import stage_backward
+
+        stage, inner = self.stage, self.stage.backward_maybe_with_nosync
+
+        def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            if not last_backward:
+                with optimizer.no_sync():
+                    return inner(backward_type, bwd_kwargs, last_backward)
+            if backward_type != "full" or not isinstance(stage.submod, FSDPModule):
+                return inner(backward_type, bwd_kwargs, last_backward)
+            stage.submod.set_is_last_backward(True)
+            stage.submod.set_reshard_after_backward(True)
+            stage.submod.set_requires_gradient_sync(True)
+            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                  bwd_kwargs["input_values"]), None
+
+        stage.backward_maybe_with_nosync = backward
+        optimizer.join_pipeline(pipeline_group, counted_elsewhere=self.counted_elsewhere(),
+                                at_step=self.tied_parameters())
+
     def step(self, ids, targets) -> torch.Tensor | None:
         """Forward and backward of this data-parallel slice's rows (token ids, or any tensor, tuple or dict of
-        them: the first stage's inputs); the last stage returns their mean loss."""
+        them: the first stage's inputs); the last stage returns their loss (the sum of the micro-batches' weighted
+        losses: their mean when they count alike)."""
         losses: list[torch.Tensor] = []
         args, kwargs = call_arguments(ids) if self.first else ((), {})
         if self.first and self.traced is not None:
@@ -127,7 +164,7 @@ class PipelineRunner:
         else:
             self.schedule.step()
         self.sync_tied()
-        return torch.stack([as_local(loss) for loss in losses]).mean().detach() if self.last else None
+        return torch.stack([as_local(loss) for loss in losses]).sum().detach() if self.last else None
 
 
 def _embedding_group(plan: Plan, meshes: PlanMeshes):
