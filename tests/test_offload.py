@@ -155,6 +155,41 @@ def test_bf16_compute_copies_train_as_fp32_masters_kept_by_hand():
             assert (masters_got[i]["master"] - m).norm() <= 1e-5 * m.norm()
 
 
+def test_gradients_crossing_in_bf16_update_fp32_masters_as_adamw_fed_the_rounded_gradients():
+    # an fp32 model trained in bf16 sends its offloaded gradients to the CPU in bf16 (half the PCIe bytes, as
+    # Reflow does): the CPU's fp32 update is then AdamW's on those gradients rounded to bf16, and nothing else
+    for clip_norm in (None, 0.05):  # 0.05 clips every step: the norm is of the gradients as computed (fp32)
+        torch.manual_seed(0)
+        model = GPT(GPT_TINY)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        want = []
+        for ids, targets in batches(STEPS):
+            loss = lm_loss(model(ids), targets)
+            loss.backward()
+            if clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            offloaded_params = {id(p) for layer in range(2, LAYERS) for p in _layer_params(model, layer)}
+            for p in model.parameters():  # the offloaded layers' gradients as they reach the CPU
+                if id(p) in offloaded_params:
+                    p.grad = p.grad.bfloat16().float() if clip_norm is None else p.grad
+            opt.step()
+            opt.zero_grad()
+            want.append(loss.item())
+        losses, got, _ = offloaded(SPLIT, grad_dtype=torch.bfloat16, clip_norm=clip_norm)
+        if clip_norm is None:
+            assert_same_training((losses, got), (want, model))
+        else:  # rounded before the clip's scale here, after it there: bf16's rounding apart, no more
+            assert losses == pytest.approx(want, rel=1e-3)
+        plain, _, _ = offloaded(SPLIT, clip_norm=clip_norm)
+        assert max(abs(a - b) for a, b in zip(losses, plain)) > 1e-7  # the rounding did happen
+
+
+def _layer_params(model, layer: int) -> list:
+    from nbtrain.models.description import layer_slots, slot_module
+
+    return [p for parent, attr in layer_slots(model)[layer] for p in slot_module(parent, attr).parameters()]
+
+
 def test_clip_limit_never_reached_is_unclipped_training():
     for schedule in ("overlap", "after_backward"):
         losses, model, opt = offloaded(1.0, clip_norm=1e3, schedule=schedule)

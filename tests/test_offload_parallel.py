@@ -64,3 +64,25 @@ def test_offload_in_a_traced_pipeline_trains_like_one_process():
     report = verify("tests.any_models:bert_mlm", "pp=2 mb=2 offload=1", processes=2, steps=5, batch=4, seq=16,
                     timeout=240, data=zoo.mlm_batches(steps=2), loss_fn=zoo.mlm_loss)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("plan", ["tp=2 offload=1", "pp=2 mb=2 offload=1"])
+def test_offload_in_bf16_trains_like_the_same_bf16_run_without_offload(plan):
+    # bf16 compute, fp32 weights and update; the offloaded gradients cross to the CPU in bf16, so the two runs part
+    # by bf16's rounding of those gradients and no more
+    import torch
+
+    import nbtrain
+
+    g = torch.Generator().manual_seed(3)
+    data = [(ids, torch.roll(ids, -1, dims=1)) for ids in (torch.randint(0, 512, (4, 32), generator=g)
+                                                           for _ in range(5))]
+    runs = []
+    for text in (plan, plan.replace(" offload=1", "")):
+        torch.manual_seed(0)
+        model = nbtrain.build_preset("llama-tiny", device="cpu")
+        runs.append(nbtrain.fit(model, data, plan=text, steps=5, num_processes=2, lr=1e-2, clip_norm=1.0,
+                                precision="bf16", progress=False, timeout=180))
+    offloaded, on_device = runs
+    assert offloaded.trace is not None and on_device.trace is None  # the first did offload
+    assert offloaded.losses == pytest.approx(on_device.losses, rel=2 ** -8)  # bf16's relative precision

@@ -32,8 +32,8 @@ def update_seconds(c, opt: CostOptions, links, s: Strategy, p: float, bwd: float
         pcie, update = 0.0, p / s.dp_shard * (1 - s.offload) / rate  # the "device" updates the rest itself
         if opt.clip:  # at the copy rate: on the CPU, memory bandwidth is the device's
             update += CLIP_PASSES * p / s.dp_shard * opt.grad_reduce_bytes / c.host_to_device_bandwidth
-    else:  # gradients down, weights up; the device's own step, at its memory bandwidth, is not modelled
-        pcie, update = offloaded * (opt.grad_reduce_bytes + e) / c.host_to_device_bandwidth, 0.0
+    else:  # gradients down and weights up, both in the compute dtype (the fp32 master stays on the CPU); the
+        pcie, update = offloaded * 2 * e / c.host_to_device_bandwidth, 0.0  # device's own step is not modelled
     if opt.clip:
         update += clip_seconds(links, c.num_devices, s, param_bytes=p * s.tp * e, layers=layers)
     # the update hides under backward only on cores the backward leaves free: not on a CPU whose worker

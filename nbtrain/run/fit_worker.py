@@ -100,7 +100,8 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
         traced = plan.pp > 1 and "_nbtrain_traced" in model.__dict__  # its stage runs a graph's modules, not these
         optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
                                               weight_decay=decay, layers=plan.stage_ranges()[meshes.stage],
-                                              land_at="step" if traced else "forward")
+                                              land_at="step" if traced else "forward",
+                                              grad_dtype=torch.bfloat16 if run.precision == "bf16" else None)
     elif run.optimizer is not None:
         optimizer = run.optimizer(by_mesh(model))
     else:

@@ -40,11 +40,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
     first layer). ``offload``: one fraction for every layer, or one per layer (a plan's ``Strategy.offload``).
     ``land_before``: each layer's modules, whose forward waits for the layer's CPU update (None: ``step()`` waits).
     ``threads``: the worker's intra-op threads. Micro-batches: all but a step's last under :meth:`no_sync`.
+    ``grad_dtype``: the dtype offloaded gradients cross to the CPU in (``torch.bfloat16`` when computing in bf16:
+    half the bytes; the update and its master stay fp32), None: the gradient's own.
     """
 
     def __init__(self, layers, offload=1.0, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, clip_norm: float | None = None, schedule: str = "overlap",
-                 threads: int = 1, land_before: list[list[nn.Module]] | None = None):
+                 threads: int = 1, land_before: list[list[nn.Module]] | None = None,
+                 grad_dtype: torch.dtype | None = None):
         layers = [list(params) for params in layers]
         fractions = [float(offload)] * len(layers) if isinstance(offload, (int, float)) else list(offload)
         if schedule not in SCHEDULES:
@@ -63,7 +66,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not seen:
             raise InvalidArgumentError("no parameter to optimize (none requires grad)")
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.clip_norm, self.schedule, self.threads = clip_norm, schedule, threads
+        self.clip_norm, self.schedule, self.threads, self.grad_dtype = clip_norm, schedule, threads, grad_dtype
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._layer_of, self._layers, self._pieces_of = [], [], [[] for _ in self._params]
@@ -175,21 +178,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._land(layer)
         if grad.is_cuda:  # the copies start once backward's kernels so far (which made this gradient) are done
             self._copy_stream.wait_stream(torch.cuda.current_stream(grad.device))
+        crossing = self.grad_dtype or grad.dtype
         for pc in self._cpu_pieces_of[index]:
             g = pc.view(grad)
             if g.is_cuda:  # the transfer, into pinned memory, on the copy stream: the worker waits for layer.event
                 if pc.host_grad is None:
-                    pc.host_grad = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=True)
+                    pc.host_grad = torch.empty(g.shape, dtype=crossing, device="cpu", pin_memory=True)
                 with torch.cuda.stream(self._copy_stream):
-                    pc.grad = pc.host_grad.copy_(g, non_blocking=True)
-                    if self.clip_norm is not None:
+                    sent = g.to(crossing)  # rounded on the device when it crosses in the compute dtype
+                    pc.grad = pc.host_grad.copy_(sent, non_blocking=True)
+                    if self.clip_norm is not None:  # of the gradient as computed, as the device's clipping sees it
                         pc.norm = torch.linalg.vector_norm(g)
                         pc.norm_host = pc.norm.to("cpu", non_blocking=True)
                 # the allocator must not give the gradient's memory to backward's stream before the copy has read it
                 g.record_stream(self._copy_stream)
+                sent.record_stream(self._copy_stream)
                 continue
-            # already in host memory, and final until the next backward, which step() keeps it from
-            pc.grad = g
+            # already in host memory, and final until the next backward, which step() keeps it from; rounded to
+            # the crossing dtype as a GPU's transfer rounds it, so both train alike
+            pc.grad = g if crossing == g.dtype else g.to(crossing)
             if self.clip_norm is not None:
                 pc.norm = pc.norm_host = torch.linalg.vector_norm(g)
         with self._lock:

@@ -142,9 +142,9 @@ def cpu_update(layer: Layer, kind: str, scale: torch.Tensor | None, clip_norm: f
             return
         torch._foreach_copy_([t for pc in pieces for t in pc.state()], [t for pc in pieces for t in pc.saved])
         label = "redo"
-    if scale is not None and pieces:
-        torch._foreach_mul_([pc.grad for pc in pieces], scale)
     grads = [g if g.dtype == torch.float32 else g.float() for g in (pc.grad for pc in pieces)]
+    if scale is not None and grads:  # in fp32 (an fp32 gradient in place)
+        torch._foreach_mul_(grads, scale)
     adamw_step(pieces, grads, layer.group)
     for pc in pieces:
         # Host memory: write the weights now. Backward is done with them (their gradients are final, and a
