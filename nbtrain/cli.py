@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype (bf16)")
     q.add_argument("--strategy", default=None, help='evaluate this plan instead of searching, e.g. '
                                                     '"pp=2 mb=8 | dp_shard=4 tp=2 ac"')
+    q.add_argument("--no-offload", dest="offload", action="store_false",
+                   help="never move optimizer updates to the CPU (by default the plan offloads where that makes the "
+                        "model fit or the step faster)")
     q.add_argument("--top", type=_positive_int, default=3, help="plans to show: the best and top-1 alternatives")
     q.add_argument("--json", action="store_true", help="print JSON instead of tables")
     q.set_defaults(run=_plan)
@@ -184,6 +187,7 @@ def _profile(args) -> None:
 def _plan(args) -> None:
     from nbtrain.planner.cost import CostOptions
     from nbtrain.planner.planned import plan_and_compare
+    from nbtrain.planner.search_space import SearchOptions
     from nbtrain.units import parse_fraction
     from nbtrain.profiler.hardware import Cluster
     from nbtrain.profiler.model import profile
@@ -202,8 +206,10 @@ def _plan(args) -> None:
 
     prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
     headroom = parse_fraction(args.headroom, "--headroom") if args.headroom is not None else None
+    options = SearchOptions() if args.offload else SearchOptions(offload_levels=(0.0,))
     job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
-                           strategy=args.strategy, top=args.top, cost_options=CostOptions(headroom=headroom))
+                           strategy=args.strategy, top=args.top, options=options,
+                           cost_options=CostOptions(headroom=headroom))
     if args.json:
         data = job.plan.to_dict()
         data["baselines"] = [{"name": b.name, "plan": b.plan.to_dict() if b.plan else None, "note": b.note}

@@ -439,6 +439,11 @@ profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8, device_memory="16GiB")
 best = nbtrain.plan(profile, cluster, global_batch=64, seq_len=2048)
 ''',
+    "nbtrain.planner.offload_note": '''\
+profile = shared("llama-7b@2048")
+cluster = nbtrain.Cluster.from_catalog("H100", num_devices=1, device_memory="40GiB")
+best = nbtrain.plan(profile, cluster, global_batch=64, seq_len=2048)
+''',
     "nbtrain.planner.search": '''\
 profile = shared("llama-7b@2048")
 cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8, device_memory="24GiB")

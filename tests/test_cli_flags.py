@@ -65,6 +65,15 @@ def test_plan_for_gpus_batch_and_seq_is_for_those(capsys):
     assert (plan["num_devices"], plan["global_batch"], plan["seq_len"]) == (4, 8, 64)
 
 
+def test_plan_offloads_where_the_model_fits_no_other_way_and_no_offload_turns_it_off(capsys):
+    # LLaMA-7B with AdamW: 16 bytes per parameter of model states, 100 GiB, on one 40 GiB device
+    plan = run_json(capsys, "plan", "llama-7b", "--gpus", "1", "--memory", "40GiB", "--batch", "8", "--seq", "512")
+    assert plan["predicted"]["fits"] and any(layer["offload"] > 0 for layer in plan["layers"])
+    assert any("without it nothing fits 40.00 GiB per device" in note for note in plan["notes"])
+    assert error_line(capsys, "plan", "llama-7b", "--gpus", "1", "--memory", "40GiB", "--batch", "8", "--seq", "512",
+                      "--no-offload").startswith("nbtrain: error: no plan fits 40.00 GiB per device")
+
+
 def test_plan_gpu_sets_the_default_budget_to_that_devices_memory(capsys):
     assert run_json(capsys, "plan", "gpt-tiny", "--gpus", "2", "--batch", "8",
                     "--gpu", "A100-40GB")["predicted"]["budget_bytes"] == 40 * GiB

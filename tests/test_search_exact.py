@@ -88,7 +88,7 @@ def space(inst: Instance, pp: int, m: int) -> list[Strategy]:
     o, c = inst.options, inst.cluster
     heads = inst.profile.arch["n_kv_head"]
     return [s for s in strategy_space(c.num_devices // pp, devices_per_node=c.devices_per_node, max_tp=o.max_tp,
-                                      offload_levels=o.offload_levels if pp == 1 else (0.0,),
+                                      offload_levels=o.offload_levels,
                                       allow_ac=o.allow_ac, zero_levels=o.zero_levels)
             if inst.global_batch % (m * s.dp) == 0 and heads % s.tp == 0]
 

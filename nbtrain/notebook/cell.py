@@ -175,7 +175,7 @@ def _describe(value) -> str:
 def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per_node: int | None = None,
                gpu: str | None = None, processes: int = 2,
                memory: str | int | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
-               strategy: str | None = None, offload: bool = False, top: int = 3,
+               strategy: str | None = None, offload: bool = True, top: int = 3,
                loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None,
                headroom: float | None = None) -> PlannedCell:
     """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags; one given,
@@ -191,7 +191,8 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     else:
         cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or 8, devices_per_node=gpus_per_node)
     gpus = cluster.num_devices
-    # CPU update offload trades host memory and CPU time for device memory: only when asked (--offload).
+    # CPU update offload is searched like every other axis (the plan takes it where it makes the model fit or the
+    # step faster, and says so); --no-offload keeps every update on the devices
     options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
     here = cluster.source != "catalog" and cluster.device == "cpu"
     if here and seq is None:  # what a launch here trains on (train_here)

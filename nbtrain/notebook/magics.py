@@ -56,7 +56,11 @@ class AutoparallelMagics(Magics):
     @argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context, ≤ 1024)")
     @argument("--dtype", default="bf16", help="training dtype for the plan: bf16, fp16 or fp32 (default bf16)")
     @argument("--strategy", default=None, help='evaluate this plan instead of searching, e.g. "dp_shard=8 ac"')
-    @argument("--offload", action="store_true", help="let the plan move optimizer updates to the CPU")
+    @argument("--no-offload", dest="offload", action="store_false", default=True,
+              help="never move optimizer updates to the CPU (by default the plan offloads where that makes the "
+                   "model fit or the step faster)")
+    @argument("--offload", dest="offload", action="store_true", default=True,
+              help="let the plan move optimizer updates to the CPU (the default)")
     @argument("--top", type=int, default=3, help="plans to keep: the best and top − 1 alternatives (default 3)")
     @argument("-o", dest="output", metavar="NAME", help="store the Plan in this variable (like %%timeit -o)")
     @argument("-q", dest="quiet", action="store_true", help="print only the one-line summary")

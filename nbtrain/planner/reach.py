@@ -65,6 +65,4 @@ def executor_problem(profile: ModelProfile, plan: Plan) -> str:
     offloaded = any(s.offload for s in plan.layers)
     if offloaded and profile.arch.get("no_offload"):
         return profile.arch["no_offload"]
-    if offloaded and plan.pp > 1:
-        return "the executor runs the CPU update offload in one pipeline stage, not yet in a pipeline"
     return ""

@@ -20,6 +20,7 @@ from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.reserve import HEADROOM_PART, headroom_label
 from nbtrain.planner.reach import cuts_stages, executor_problem, keeps_tie_whole
+from nbtrain.planner.offload_note import best_without_offload, offload_note
 from nbtrain.planner.search import leanest, search
 from nbtrain.planner.search_space import SearchOptions
 from nbtrain.planner.plan import Plan
@@ -148,6 +149,14 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
                if p not in ranked and p.predicted.fits and not executor_problem(profile, p)]
     ranked.sort(key=lambda p: p.predicted.step_time_s)
     best = simplest_near(ranked)
+    if any(s.offload for s in best.layers):  # only where it pays: against the best plan that keeps it all on device
+        kwargs = dict(global_batch=global_batch, seq_len=seq_len, memory=budget, options=options,
+                      cost_options=cost_options)
+        without = best_without_offload(profile, cluster, **kwargs)
+        if without is not None and without not in ranked:
+            ranked = sorted(ranked + [without], key=lambda p: p.predicted.step_time_s)
+            best = simplest_near(ranked)
+        notes += tuple(n for n in [offload_note(best, without, profile, cluster, **kwargs)] if n)
     rest = tuple(p for p in ranked if p != best)[:top - 1]
     if best != ranked[0]:
         gain = best.predicted.step_time_s / ranked[0].predicted.step_time_s - 1
@@ -164,12 +173,14 @@ NEAR = 0.02
 
 
 def simplicity(plan: Plan) -> tuple:
-    """Smaller is simpler: fewer distinct strategies (uniform before a per-layer mix), no pipeline, no tensor
-    parallelism, no sharding (DDP before FSDP), no offload, no checkpointing, no sequence parallelism (chosen only
-    where it pays: it fits a plan that would not, or gains more than :data:`NEAR`)."""
+    """Smaller is simpler: no CPU update offload first (it takes host memory and the CPU's time from the user's
+    other work: a plan offloads only where that makes the model fit or the step more than :data:`NEAR` faster),
+    then fewer distinct strategies (uniform before a per-layer mix), no pipeline, no tensor parallelism, no
+    sharding (DDP before FSDP), no checkpointing, no sequence parallelism (chosen only where it pays: it fits a
+    plan that would not, or gains more than :data:`NEAR`)."""
     layers = plan.layers
-    return (len(set(layers)), plan.pp > 1, any(s.tp > 1 for s in layers), any(s.dp_shard > 1 for s in layers),
-            any(s.offload for s in layers), any(s.ac for s in layers), any(s.sp for s in layers))
+    return (any(s.offload for s in layers), len(set(layers)), plan.pp > 1, any(s.tp > 1 for s in layers),
+            any(s.dp_shard > 1 for s in layers), any(s.ac for s in layers), any(s.sp for s in layers))
 
 
 EDGE = 0.03
@@ -281,7 +292,8 @@ def _no_fit_message(profile, cluster, global_batch, lean: Plan | None,
     parts = parts if given else _and([f"{what} {format_bytes(nbytes)}" for what, nbytes in parts_there])
     reserved = f" ({format_bytes(reserve_there)} of it reserved{',' if given else ':'} {parts})" if reserve else ""
     offload = "" if max(options.offload_levels) > 0 else \
-        ", or let the plan update on the CPU (SearchOptions(offload_levels=(0.0, 0.5, 1.0)); %%autoparallel --offload)"
+        ", or let the plan update on the CPU (SearchOptions(offload_levels=(0.0, 0.5, 1.0)); %%autoparallel without " \
+        "--no-offload)"
     return (f"{where}: the leanest plan nbtrain knows, '{lean}', needs {_need(need, budget)} per device"
             f"{reserved}; use devices with at least that much memory, more devices, or a smaller global batch or "
             f"sequence length{offload}")

@@ -7,8 +7,8 @@ For every pipeline degree ``pp`` (powers of two up to the layer count) and micro
 the global batch that are powers of two or leave a power of two of sequences per micro-batch: 1, 2, 3, 4, 6, 12
 for 12), the per-layer strategies come from the pruned space of
 :func:`~nbtrain.planner.strategy.strategy_space` (TP inside a node and dividing the heads, each data-parallel rank
-with at least one sequence; CPU update offload only without pipeline stages, as the
-executor runs it). Fewer micro-batches than stages (a global batch of 2 over 4 stages) run GPipe's schedule, which
+with at least one sequence; CPU update offload at every level the options give, with every axis, TP and offload
+mixed in one layer only where nothing fits without the mix). Fewer micro-batches than stages (a global batch of 2 over 4 stages) run GPipe's schedule, which
 PyTorch takes with any count, where its ``Schedule1F1B`` refuses them: so a small batch on many devices gets a
 plan, as tensor and pipeline parallelism need no sequence per device. A tied embedding and head stay in one stage,
 unsplit by TP (as the executor runs them), so those layers are data-parallel over every device and the batch must

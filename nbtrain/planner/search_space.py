@@ -101,7 +101,7 @@ def tasks(model: CostModel, opts: SearchOptions, mixed: bool = True) -> list[Tas
                 continue
             space = [s for s in strategy_space(cluster.num_devices // pp, devices_per_node=cluster.devices_per_node,
                                                max_tp=1 if pp > 1 and traced else max_tp, max_dp=batch // m,
-                                               offload_levels=opts.offload_levels if pp == 1 else (0.0,),
+                                               offload_levels=opts.offload_levels,
                                                allow_ac=opts.allow_ac,
                                                zero_levels=opts.zero_levels, allow_sp=allow_sp,
                                                expert_degrees=expert_degrees)
