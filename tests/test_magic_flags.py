@@ -175,7 +175,7 @@ def test_counts_and_names_nbtrain_cannot_use_are_one_line(shell, line, message):
     assert message in refused(shell, line)
 
 
-# the plan: --strategy, --offload, --top, -o, -q ------------------------------------------------------------------
+# the plan: --strategy, --no-offload, --top, -o, -q ---------------------------------------------------------------
 
 @pytest.mark.parametrize("typed, normal", [
     ("dp_shard=2", "dp_shard=2"),

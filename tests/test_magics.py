@@ -32,7 +32,7 @@ def test_the_extension_registers_the_magic_and_its_help_lists_the_flags(shell):
     magic = shell.find_cell_magic("autoparallel")
     assert magic is not None
     for flag in ("--model", "--data", "--loss", "--gpus", "--gpus-per-node", "--gpu", "--memory", "--batch", "--seq",
-                 "--strategy", "--offload", "--top", "-o", "-q", "--launch", "--processes", "--steps", "--export"):
+                 "--strategy", "--no-offload", "--top", "-o", "-q", "--launch", "--processes", "--steps", "--export"):
         assert flag in magic.__doc__, flag
 
 

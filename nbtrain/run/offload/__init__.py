@@ -40,6 +40,15 @@ Under tensor parallelism (``tp``, alone or with FSDP2) the parameters are DTenso
 each rank again updates its own shard; a gradient may come with other placements than its parameter's (a row-wise
 split embedding's is whole, a weight that saw split activations may hold partial sums), so each is first given its
 parameter's (:func:`~nbtrain.run.offload.state.settle_gradients`). Spread experts (``ep``) are each rank's own.
+In a pipeline each stage's optimizer holds that stage's layers; the schedule runs one backward per micro-batch,
+all but the last under ``no_sync()``, and the last one hands the gradients over as it produces them (an FSDP2
+stage reduce-scatters during it: :meth:`~nbtrain.run.parallel.pipeline.PipelineRunner.hand_over_to`); the norm
+sums over the stages, counting a tied embedding once, and the tied copies are handed over in ``step()``, after the
+two stages have summed their gradients.
+
+Gradients cross to the CPU in the dtype ``grad_dtype`` says: bf16 when training in bf16 (half the PCIe bytes, as
+DeepSpeed's Reflow sends them), widened to fp32 for the update; a CPU run rounds them alike, so it trains as a GPU
+run does. Clipping's norm is of the gradients as computed.
 
 Threads. A kernel runs on the thread that calls it, with that thread's OpenMP thread count, and a new thread
 starts from the process-wide count. The worker sets its own count to ``threads`` (1) before any op, so it never
