@@ -260,13 +260,45 @@ def _verify(args) -> int:
 
     from nbtrain.models.resolve import load_reference
 
-    named = {flag: load_reference(getattr(args, flag)) if getattr(args, flag) else None
-             for flag in ("data", "loss", "tp_plan")}
+    named = {flag: flag_value(flag, getattr(args, flag), load_reference(getattr(args, flag)))
+             if getattr(args, flag) else None for flag in ("data", "loss", "tp_plan")}
     report = verify(args.model, args.strategy, processes=args.processes, steps=args.steps, batch=args.batch,
                     seq=args.seq, data=named["data"], loss_fn=named["loss"], tp_plan=named["tp_plan"],
                     weights=args.weights)
     print(report)
     return 0 if report.ok else 1
+
+
+_TAKES = {"data": "a list of (inputs, targets) batches or of 2-D token-id tensors, or a function with no "
+                  "arguments that returns one",
+          "loss": "a function loss_fn(output, targets) that returns the loss",
+          "tp_plan": "a dict of module patterns to styles, e.g. {'blocks.*.fc1': 'colwise', 'blocks.*.fc2': "
+                     "'rowwise'}"}
+
+
+def flag_value(flag: str, ref: str, value):
+    """What ``--data``, ``--loss`` or ``--tp-plan MODULE:ATTR`` named, as the flag takes it: a zero-argument
+    function named by ``--data`` is called for its batches (as a model's builder is); anything else that is not what
+    the flag takes is one line saying what it takes."""
+    import inspect
+
+    option = "--" + flag.replace("_", "-")
+    if flag == "data" and callable(value) and not isinstance(value, (list, tuple)):
+        try:
+            required = [p for p in inspect.signature(value).parameters.values()
+                        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        except (TypeError, ValueError):
+            required = []
+        if required:
+            raise InvalidArgumentError(f"{option} {ref} is a function of {', '.join(p.name for p in required)}; "
+                                       f"{option} takes {_TAKES[flag]}")
+        value = value()
+    ok = {"data": lambda v: isinstance(v, (list, tuple)) or (hasattr(v, "__iter__") and not isinstance(v, (str, dict))
+                                                              and not hasattr(v, "shape")),
+          "loss": callable, "tp_plan": lambda v: isinstance(v, dict)}[flag]
+    if not ok(value):
+        raise InvalidArgumentError(f"{option} {ref} is a {type(value).__name__}; {option} takes {_TAKES[flag]}")
+    return value
 
 
 def _kernel(args) -> None:

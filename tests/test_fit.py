@@ -151,6 +151,30 @@ def test_cpu_update_offload_trains_like_the_device_update_and_records_the_overla
     assert rows == {"device", "cpu"} and on_device.trace is None
 
 
+def test_offload_in_this_process_leaves_the_update_a_core_and_puts_the_callers_threads_back():
+    # one process computes backward on the CPU beside the update's thread: left at one thread per core, backward
+    # and the update would oversubscribe the cores
+    from nbtrain.profiler.model import lm_loss
+    from nbtrain.run.offload.threads import usable_cores
+
+    cores, before = usable_cores(), torch.get_num_threads()
+    seen = []
+
+    def counting_loss(output, targets):
+        seen.append(torch.get_num_threads())
+        return lm_loss(output, targets)
+
+    torch.set_num_threads(cores)  # as a fresh kernel has it
+    try:
+        nbtrain.fit(nbtrain.build_preset("gpt-tiny", device="cpu"), tiny_batches(512), plan="offload=1", steps=2,
+                    num_processes=1, loss_fn=counting_loss, progress=False)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen and max(seen) + 1 <= max(2, cores), (seen, cores)  # one core at least for the update
+    assert after == cores
+
+
 def nan_at(steps):
     """The language-model loss, NaN at the calls numbered in ``steps`` (one call per step: one micro-batch)."""
     from nbtrain.profiler.model import lm_loss

@@ -29,6 +29,7 @@ from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.profiler.model import lm_loss, profile
+from nbtrain.run.batch_sources import split_window
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.fit import fit
 from nbtrain.run.predict_here import predict_here
@@ -307,6 +308,8 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
         if first is None:
             raise InvalidArgumentError("--data holds no batches; give a list of (ids, targets) global batches, or a "
                                        "function step → batch")
+        if loss_fn is None and model_vocab_size(model):  # token ids alone: fit trains on the next tokens
+            first = split_window(first)
         ids, _ = check_batch(first, step=0, global_batch=None, seq_len=None, vocab_size=model_vocab_size(model),
                              lm_targets=loss_fn is None)
         rows, length = batch_shape(ids)

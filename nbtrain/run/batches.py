@@ -137,7 +137,11 @@ def check_batch(batch, *, step: int, global_batch: int | None, seq_len: int | No
     shape = _shape(global_batch, seq_len)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         what = f"has {len(batch)} items" if isinstance(batch, (tuple, list)) else f"is a {type(batch).__name__}"
-        raise InvalidArgumentError(f"{where} {what}; a batch is a pair (ids, targets) of tensors of shape {shape}")
+        window = " (a 2-D tensor of token ids alone is taken as ids[:, :-1] → ids[:, 1:] for a language model " \
+            "with nbtrain's next-token loss; with your own loss or model, make the pairs yourself)" \
+            if isinstance(batch, Tensor) and batch.dim() == 2 else ""
+        raise InvalidArgumentError(f"{where} {what}; a batch is a pair (ids, targets) of tensors of shape "
+                                   f"{shape}{window}")
     ids, targets = batch
     if not lm_targets and not (is_token_ids(ids) and isinstance(targets, Tensor)) or \
             not isinstance(ids, Tensor) and tensors(ids):

@@ -19,6 +19,8 @@ launch.
 
 from __future__ import annotations
 
+import os
+
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -31,7 +33,8 @@ from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.models.description import describe
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
-from nbtrain.run.batch_sources import AccumulatedBatches, batch_source, checked
+from nbtrain.run.batch_sources import (AccumulatedBatches, as_windows, batch_source, checked, is_token_window,
+                                      window_note)
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.state.checkpoint import folder_for_run, with_resume_hint
@@ -172,6 +175,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         check_tensor_parallel_plan(model, tp_plan)
     get_batch = batch_source(data)
     lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
+    first = get_batch(0)
+    if lm_targets and vocab and is_token_window(first):  # token ids as people hold them: the next token is the target
+        get_batch = as_windows(get_batch)
+        if os.environ.get("RANK", "0") == "0":  # once, also under torchrun
+            print(window_note(first))
     ids, _ = check_batch(get_batch(0), step=0, global_batch=None, seq_len=None, vocab_size=vocab,
                          lm_targets=lm_targets)
     rows, length = batch_shape(ids)
@@ -223,7 +231,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
                every_rank=launched_externally(), adamw=adamw, tp_plan=tp_plan, optimizer=optimizer, init_fn=init_fn,
                weights=starting, save_pretrained=hf_folder,
                files=None if hf_folder is None else file_of_each_tensor(model),
-               gather=not (hf_folder is not None and has_meta(model)))
+               gather=not (hf_folder is not None and has_meta(model)), forked=not runs_in_this_process(num_processes))
     here = runs_in_this_process(num_processes)
     # Each worker trains a meta twin of the model, filled from this one (run/state/materialize.py): run here too,
     # the caller's model is only read, never converted in place (FSDP2 swaps a module's class, TP its parameters

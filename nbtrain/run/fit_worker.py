@@ -13,6 +13,7 @@ memory once its part of the model was in place (before the first step) and durin
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -56,6 +57,12 @@ class RunSettings:
     """How a module of a model built on the meta device is initialised (None: its own initialisation)."""
     weights: object = None
     """The resolved :class:`~nbtrain.run.state.pretrained.Weights` to start from, or None."""
+    forked: bool = True
+    """The workers are forked copies of the caller (False: ``fit`` runs in this process, one process or a rank of
+    torchrun): how many threads the offloaded update and the device side may take (:mod:`nbtrain.run.offload.threads`)."""
+    offload_schedule: str = "overlap"
+    """How offloaded updates run: ``"overlap"`` (CoTrain, what ``fit`` runs) or ``"after_backward"`` (ZeRO-Offload's
+    schedule, landing in ``step()``: what ``bench/offload_parallel.py`` compares it with)."""
     save_pretrained: str | None = None
     """The folder to write the trained model into as a Hugging Face folder, or None."""
     files: dict | None = None
@@ -93,15 +100,25 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     if run.weights is not None:  # each rank reads the part it holds
         load_weights(model, run.weights, mine)
     materialized = peak_memory(meshes.device)
+    threads_before = torch.get_num_threads()
     if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
         from nbtrain.run.offload.optimizer import OffloadedAdamW
+        from nbtrain.run.offload.threads import thread_shares, usable_cores
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if not run.forked else 1))
+        device_threads, update_threads = thread_shares(usable_cores(), local, meshes.device.type == "cuda",
+                                                       run.forked)
+        torch.set_num_threads(device_threads)  # the caller's count is put back after the run
 
         betas, eps, decay, _ = run.adamw
         traced = plan.pp > 1 and "_nbtrain_traced" in model.__dict__  # its stage runs a graph's modules, not these
         optimizer = OffloadedAdamW.from_model(model, plan, lr=run.lr, clip_norm=run.clip_norm, betas=betas, eps=eps,
                                               weight_decay=decay, layers=plan.stage_ranges()[meshes.stage],
-                                              land_at="step" if traced else "forward",
-                                              grad_dtype=torch.bfloat16 if run.precision == "bf16" else None)
+                                              schedule=run.offload_schedule,
+                                              land_at="step" if traced or run.offload_schedule != "overlap"
+                                              else "forward",
+                                              grad_dtype=torch.bfloat16 if run.precision == "bf16" else None,
+                                              threads=update_threads)
     elif run.optimizer is not None:
         optimizer = run.optimizer(by_mesh(model))
     else:
@@ -113,7 +130,10 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
                       lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
     rank0 = dist.get_rank() == 0
-    records = train_steps(trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
+    try:
+        records = train_steps(trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
+    finally:
+        torch.set_num_threads(threads_before)
     resumed = run.resume_from.step if run.resume_from is not None else 0  # earlier steps: another run measured them
     peaks = [None] * dist.get_world_size()  # every rank's memory, as the step table shows it
     dist.all_gather_object(peaks, (materialized, max([r.peak_memory_bytes for r in records if r.step > resumed],

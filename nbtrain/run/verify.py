@@ -262,6 +262,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     from nbtrain.errors import InvalidArgumentError
     from nbtrain.models.adapters import detect_family
     from nbtrain.profiler.trace import call_model
+    from nbtrain.run.batch_sources import is_token_window, split_window, window_note
     from nbtrain.run.batches import batch_shape, check_batch, model_vocab_size
     from nbtrain.run.fit import fit, plan_for
 
@@ -283,6 +284,9 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     data = list(data) if data is not None else _batches(vocab, batch, seq)
     if not data:
         raise InvalidArgumentError("data holds no batches")
+    if loss_fn is lm_loss and vocab and is_token_window(data[0]):  # token ids alone: the next tokens are targets
+        print(window_note(data[0]))
+        data = [split_window(b) for b in data]
     inputs, _ = check_batch(data[0], step=0, global_batch=None, seq_len=None, vocab_size=vocab,
                             lm_targets=loss_fn is lm_loss)
     rows, length = batch_shape(inputs)
