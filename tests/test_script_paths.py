@@ -157,6 +157,22 @@ def test_fit_under_torchrun_on_two_nodes_of_one_process_ends_with_the_forked_run
         assert_ends_like_the_forked_run(torch.load(f"{out}.{rank}.pt"), forked_run)
 
 
+def test_under_torchrun_a_plan_for_another_world_says_so_in_the_launchers_terms(monkeypatch):
+    monkeypatch.setenv("RANK", "0")  # what torchrun --nproc-per-node 2 sets in each process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    window = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    batches = [(window[:, :-1], window[:, 1:])]
+    with pytest.raises(nbtrain.errors.InvalidPlanError,
+                       match=r"does not divide the 2 devices.*\(this process is one of the 2 ranks torchrun or "
+                             r"accelerate launch started, WORLD_SIZE=2: the plan is for that many devices\)"):
+        nbtrain.fit(model, batches, plan="dp_shard=4", steps=1, progress=False)
+    with pytest.raises(nbtrain.errors.InvalidArgumentError,
+                       match=r"num_processes=4, but this process is one of the 2 ranks torchrun or accelerate launch "
+                             r"started \(WORLD_SIZE=2\); leave num_processes out"):
+        nbtrain.fit(model, batches, plan="dp_shard=2", steps=1, num_processes=4, progress=False)
+
+
 @pytest.mark.slow
 def test_fit_in_a_script_under_nbtrain_run_ends_with_the_forked_runs_weights_on_every_rank(tmp_path, forked_run):
     out = tmp_path / "run"  # each forked rank of nbtrain run has RANK set: fit runs in it, as under torchrun

@@ -55,15 +55,25 @@ def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, g
     the batch's rows and length where it gives none, checked against the model: a plan the model cannot take is one
     clear error here, not a failure in the workers."""
     from nbtrain.models.description import layer_slots
+    from nbtrain.run.launch.workers import launched_externally
     from nbtrain.run.parallel.parallelize import check_plan
 
-    if isinstance(plan, str):
-        plan = Plan.parse(plan, num_devices=num_processes or 1, num_layers=len(layer_slots(model)),
-                          global_batch=global_batch, seq_len=seq_len)
-    num_processes = num_processes or plan.num_devices
-    if plan.num_devices != num_processes:
-        raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but {num_processes} processes were "
-                               f"asked for; launch {plan.num_devices}, or write the plan for {num_processes}")
+    if launched_externally():  # this process is a rank: the launcher's world is the device count
+        num_processes = world_size(num_processes)
+    try:
+        if isinstance(plan, str):
+            plan = Plan.parse(plan, num_devices=num_processes or least_devices(plan, len(layer_slots(model))),
+                              num_layers=len(layer_slots(model)), global_batch=global_batch, seq_len=seq_len)
+        num_processes = num_processes or plan.num_devices
+        if plan.num_devices != num_processes:
+            raise InvalidPlanError(f"the plan is for {plan.num_devices} devices but {num_processes} processes were "
+                                   f"asked for; launch {plan.num_devices}, or write the plan for {num_processes}")
+    except InvalidPlanError as error:
+        if not launched_externally():
+            raise
+        raise InvalidPlanError(f"{error} (this process is one of the {num_processes} ranks torchrun or accelerate "
+                               f"launch started, WORLD_SIZE={num_processes}: the plan is for that many devices)") \
+            from None
     if plan.global_batch is None:
         plan = plan.replace(global_batch=global_batch, seq_len=seq_len)
     check_plan(model, plan, tp_plan=tp_plan)
@@ -80,6 +90,30 @@ def _check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
     if not eps > 0 or not weight_decay >= 0:
         raise InvalidArgumentError(f"eps={eps!r} must be positive and weight_decay={weight_decay!r} at least 0")
     return (b1, b2), float(eps), float(weight_decay), bool(decay_norms_and_biases)
+
+
+def least_devices(text: str, num_layers: int, most: int = 1024) -> int:
+    """The fewest devices a typed plan runs on (its degrees' product: ``dp_shard=2`` is 2 devices, ``pp=2 | tp=2``
+    4), as ``fit`` takes a plan given without ``num_processes``; 1 when no count up to ``most`` takes it (its
+    parse then says why)."""
+    for n in range(1, most + 1):
+        try:
+            Plan.parse(text, num_devices=n, num_layers=num_layers)
+            return n
+        except InvalidPlanError:
+            continue
+    return 1
+
+
+def world_size(num_processes: int | None) -> int:
+    """In a process that torchrun or ``accelerate launch`` started, the processes a run has: the launcher's
+    ``WORLD_SIZE``, which ``num_processes``, when given, must match."""
+    world = int(os.environ["WORLD_SIZE"])
+    if num_processes is not None and num_processes != world:
+        raise InvalidArgumentError(f"num_processes={num_processes}, but this process is one of the {world} ranks "
+                                   f"torchrun or accelerate launch started (WORLD_SIZE={world}); leave num_processes "
+                                   f"out (it is the launcher's world), or launch {num_processes} processes")
+    return world
 
 
 def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps: int, num_processes: int | None = None,
@@ -195,7 +229,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     hf_folder = None if save_pretrained is None else check_folder(save_pretrained)
     if traced:  # refused here, before the workers: a model that cannot be traced, or cut where its stages begin
         check_traceable(model, description, plan, example_microbatch(ids, plan, 0))
-    num_processes = num_processes or plan.num_devices
+    num_processes = world_size(num_processes) if launched_externally() else num_processes or plan.num_devices
     if optimizer is not None and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("optimizer= with CPU update offload: the offloaded update stays AdamW (it runs "
                                    "during backward, on the CPU); use betas/eps/weight_decay, or plan without offload")
