@@ -279,6 +279,18 @@ def test_state_dict_resumes_under_another_split():
     assert_same_training((losses, resumed), (whole[0][3:], whole[1]))
 
 
+@pytest.mark.parametrize("schedule, land_at", [("after_backward", "step"), ("overlap", "step"),
+                                               ("overlap", "forward")])
+def test_the_trace_holds_every_layers_backward_and_cpu_update_whenever_updates_land(schedule, land_at):
+    torch.manual_seed(0)
+    model = GPT(GPT_TINY)
+    with OffloadedAdamW.from_model(model, 1.0, schedule=schedule, land_at=land_at) as opt:
+        train(model, opt, steps=2)
+    labels = {(row, label.split()[0]) for row, label, *_ in opt.last_trace}
+    assert {("device", "backward"), ("cpu", "update")} <= labels, opt.last_trace
+    assert sum(label.startswith("backward") for _, label, *_ in opt.last_trace) == LAYERS
+
+
 def test_cpu_update_of_the_last_layer_starts_before_backward_of_the_first_ends():
     # Blocks wide enough that each one's backward takes tens of milliseconds: far longer than a thread's wake-up,
     # even on a busy 2-core machine. Only the order of events is asserted, never a duration.

@@ -310,6 +310,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._log.add("device", "update", started)
         self._pending = [layer for layer in reversed(self._layers) if layer.futures]  # in the CPU's queue order
         if self.land_at == "step":
+            self._log.events += device_events(self._layers, self._log.t0)  # before landing forgets the times
+            self._log.device_logged = True
             self.synchronize()
 
     def _total_norm(self) -> torch.Tensor:
@@ -334,7 +336,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         future.exception()  # waits; an exception was raised by step() already
             self._pending = []
         log = self._log
-        log.events += device_events(self._layers, log.t0)
+        if not log.device_logged:
+            log.events += device_events(self._layers, log.t0)
         for layer in self._layers:
             if layer not in self._pending:
                 self._forget(layer)

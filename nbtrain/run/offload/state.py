@@ -85,6 +85,7 @@ class StepLog:
 
     def __init__(self):
         self.t0, self.events, self.spec_sq = perf_counter(), [], 0.0
+        self.device_logged = False  # the device's events are in (land_at="step" adds them before landing)
 
     def add(self, row: str, label: str, start: float) -> None:
         """An event from ``start`` (a ``perf_counter()``) to now."""
