@@ -47,7 +47,7 @@ CONFIG = GPTConfig(vocab_size=8192, block_size=512, n_layer=8, n_head=8, n_embd=
 LAYOUTS = ("tp=2", "pp=2 mb=2")
 SCHEDULES = (("no offload", "", "overlap"), ("ZeRO-Offload", "offload=1", "after_backward"),
              ("overlap", "offload=1", "overlap"))
-BATCH, SEQ = 2, 64  # tokens per step where a rank's CPU update is about its backward (upd/bwd in the table)
+BATCH, SEQ = 2, 16  # tokens per step where a rank's CPU update is about its backward (upd/bwd in the table)
 WARMUP, STEPS, ROUNDS = 2, 5, 2
 PROCESSES = 2
 
