@@ -178,17 +178,18 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
                memory: str | int | None = None, batch: int | None = None, seq: int | None = None, dtype: str = "bf16",
                strategy: str | None = None, offload: bool = True, top: int = 3,
                loss_fn: Callable | None = None, data=None, tp_plan: dict | None = None,
-               headroom: float | None = None) -> PlannedCell:
+               headroom: float | None = None, calibrate: bool = True) -> PlannedCell:
     """Profile ``model`` and plan it for ``gpus`` devices of catalog type ``gpu`` (the magic's flags; one given,
     the other defaults to 8 / H100) or, with neither, for this machine (:meth:`Cluster.this_machine`: its GPUs, or
     ``processes`` CPU processes, measured). ``data`` (``--data``): for a model that takes no token ids, it is
     profiled on inputs shaped like the first batch. ``headroom`` (``--headroom``): the share of each device's
-    memory kept free for the allocator (default 10% on a GPU, :class:`~nbtrain.planner.cost.CostOptions`)."""
+    memory kept free for the allocator (default 10% on a GPU, :class:`~nbtrain.planner.cost.CostOptions`).
+    ``calibrate=False`` (``--no-calibrate``): this machine is not measured (generic CPU rates, cached links)."""
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
     inputs = _inputs_for(model, data)
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn, inputs, tp_plan)
     if gpus is None and gpu is None and gpus_per_node is None:
-        cluster = Cluster.this_machine(processes)
+        cluster = Cluster.this_machine(processes, calibrate=calibrate)
     else:
         cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or 8, devices_per_node=gpus_per_node)
     gpus = cluster.num_devices
@@ -296,7 +297,7 @@ def vocab_size(model: nn.Module) -> int:
 def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
                lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
                checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
-               tp_plan: dict | None = None, weights=None, save_pretrained=None):
+               tp_plan: dict | None = None, weights=None, save_pretrained=None, calibrate: bool = True):
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
     are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
     ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``weights`` and ``save_pretrained`` are
@@ -332,7 +333,7 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
 
     if not runs_in_this_process(processes):  # before measuring this machine's links for that many processes
         check_limit(processes, visible_gpus())
-    here = Cluster.this_machine(processes, progress=lambda *_: None)
+    here = Cluster.this_machine(processes, calibrate=calibrate)  # says what it measures, the first time
     return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
                        checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan, weights=weights,

@@ -61,6 +61,9 @@ class AutoparallelMagics(Magics):
                    "model fit or the step faster)")
     @argument("--offload", dest="offload", action="store_true", default=True,
               help="let the plan move optimizer updates to the CPU (the default)")
+    @argument("--no-calibrate", dest="calibrate", action="store_false",
+              help="plan for this machine without measuring it (its rates and communication; 20-50 s the first "
+                   "time in a kernel): rough predictions from a generic CPU, and what earlier runs measured")
     @argument("--top", type=int, default=3, help="plans to keep: the best and top − 1 alternatives (default 3)")
     @argument("-o", dest="output", metavar="NAME", help="store the Plan in this variable (like %%timeit -o)")
     @argument("-q", dest="quiet", action="store_true", help="print only the one-line summary")
@@ -145,7 +148,7 @@ class AutoparallelMagics(Magics):
                          processes=args.processes or _local_devices(),
                          memory=memory, batch=args.batch, seq=args.seq, dtype=args.dtype,
                          strategy=args.strategy, offload=args.offload, top=args.top, loss_fn=checked_loss,
-                         data=data, tp_plan=tp_plan, headroom=headroom)
+                         data=data, tp_plan=tp_plan, headroom=headroom, calibrate=args.calibrate)
         plan = job.plan
         if args.output:
             namespace[args.output] = plan
@@ -157,6 +160,9 @@ class AutoparallelMagics(Magics):
                 print("note:", note)
         if note := decimal_note(args.memory):
             print("note:", note)
+        if not args.calibrate and args.gpus is None and args.gpu is None and args.gpus_per_node is None:
+            print("note: --no-calibrate: this machine was not measured; its predictions use a generic CPU's rates "
+                  "(and communication measured earlier, where it was), so they are rough")
         if not args.quiet and not args.launch:
             self._explorer(job, args, memory)
         if args.export:
@@ -173,7 +179,8 @@ class AutoparallelMagics(Magics):
                                 loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout,
                                 checkpoint_dir=args.resume or args.checkpoint_dir,
                                 checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
-                                tp_plan=tp_plan, weights=args.weights, save_pretrained=args.save_pretrained)
+                                tp_plan=tp_plan, weights=args.weights, save_pretrained=args.save_pretrained,
+                                calibrate=args.calibrate)
             _show(result.table())
             if result.state_dict:
                 print(f"the trained weights are in {name}")

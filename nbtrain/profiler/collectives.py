@@ -245,8 +245,8 @@ def cached_links(world_size: int, *, measure: bool = True, progress=print) -> Li
         if not measure:
             return None
     if progress:
-        progress(f"Measuring this machine's communication among {world_size} processes, once "
-                 f"(~{10 * world_size} s; kept in {path})")
+        progress(f"Measuring this machine's communication among {world_size} processes, once per machine "
+                 f"(~{10 * world_size} s; kept in {path}; --no-calibrate or a described cluster skips it)")
     links = measure_in_subprocess(world_size)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -191,11 +191,13 @@ class Cluster:
         return cluster
 
     @classmethod
-    def this_machine(cls, processes: int = 2, *, progress=print) -> Cluster:
+    def this_machine(cls, processes: int = 2, *, progress=print, calibrate: bool = True) -> Cluster:
         """The machine a plan is made on when no cluster is described (``nbtrain plan``, ``%%autoparallel`` without
         ``--gpus``/``--gpu``): its GPUs, counted and named through NVML so that CUDA is not initialised here (a
         notebook forks its workers later), or else ``processes`` CPU worker processes with their compute, copy and
-        update rates and their communication measured (once per machine, then cached).
+        update rates and their communication measured (once per machine, then cached). ``progress`` is told what
+        is measured and about how long it takes, before it is; ``calibrate=False`` measures nothing (the catalog's
+        generic CPU rates, and links only where a measurement is cached: predictions are then rough).
 
             >>> here = Cluster.this_machine(2)                    # on a machine without a GPU
             >>> here.device, here.num_devices, here.source
@@ -211,7 +213,12 @@ class Cluster:
             cluster = cls.from_catalog(entry, num_devices=gpus, devices_per_node=gpus, device_memory=memory,
                                        host_memory=local_memory(), source="detected")
             return cluster if by_name else cluster.replace(device=name)
+        if not calibrate:
+            cluster = cls.detect(calibrate=False).replace(num_devices=processes, devices_per_node=processes)
+            return cluster.with_links(processes, measure=False) if processes > 1 else cluster
         if "cpu" not in _CALIBRATED:  # once per process: the plan table and the launch price with the same rates
+            if progress:
+                progress("Measuring this machine's compute, copy and CPU AdamW rates, once per kernel (~5 s)")
             _CALIBRATED["cpu"] = cls.detect(calibrate=True)
         cluster = _CALIBRATED["cpu"].replace(num_devices=processes, devices_per_node=processes)
         return cluster.with_links(processes, progress=progress) if processes > 1 else cluster

@@ -36,11 +36,12 @@ def per_device_batch(plan: Plan) -> int:
 
 def narrowed(cluster: Cluster, num_processes: int) -> Cluster:
     """``cluster`` as the run uses it: a one-node cluster narrowed to ``num_processes`` devices (``Cluster.detect()``
-    counts every core or GPU of this machine), with this machine's links measured for that many CPU processes."""
+    counts every core or GPU of this machine), with this machine's links measured for that many CPU processes
+    (a calibrated cluster's; one left uncalibrated, ``--no-calibrate``, takes only what is cached)."""
     if cluster.num_devices != num_processes and cluster.num_nodes == 1:
         cluster = cluster.replace(num_devices=num_processes, devices_per_node=num_processes)
     if cluster.source != "catalog" and cluster.device == "cpu" and num_processes > 1:
-        cluster = cluster.with_links(num_processes)
+        cluster = cluster.with_links(num_processes, measure=cluster.source == "calibrated")
     return cluster
 
 
