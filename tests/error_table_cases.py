@@ -12,6 +12,9 @@ MODS = '''\
 import torch
 
 
+SIZE = 64  # not batches
+
+
 def broken():
     raise RuntimeError("no weights here")
 

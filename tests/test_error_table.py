@@ -235,6 +235,14 @@ case("tied embeddings in two pipeline stages", "CLI")(
     lambda e: e.cli("verify", "gpt-tiny", "--strategy", "pp=2 mb=2", "--processes", "2"))
 
 
+@case("an input a later pipeline stage needs (a loss computed inside `forward`)", "Python")
+def _input_for_a_later_stage(e):
+    from tests import nanogpt_like as nano
+
+    return e.raised(fit, nano.nano_gpt(), nano.dict_batches(), plan="pp=2 mb=2", steps=1, num_processes=2,
+                    loss_fn=nano.second_output)
+
+
 
 @case("a pipeline of a model whose forward cannot be traced", "Python")
 def _(e):
@@ -304,8 +312,17 @@ case("a `--loss` that raises", "magic")(
     lambda e: e.magic("--gpus 8 --batch 8 --loss my_loss",
                       before="def my_loss(output, targets):\n    raise ValueError('shapes do not match')"))
 case("`--data` without batches", "magic")(lambda e: e.magic(LAUNCH_ON_DATA, before="batches = []"))
-case("a batch that is not a pair", "magic")(
-    lambda e: e.magic(LAUNCH_ON_DATA, before="import torch\nbatches = [torch.zeros(4, 32, dtype=torch.long)]"))
+case("a batch that is not a pair (a 2-D tensor of token ids alone is one, for a language model with the next-token "
+     "loss)", "magic")(lambda e: e.magic(LAUNCH_ON_DATA, before="import torch\nbatches = [torch.zeros(4, 32)]"))
+case("`verify --data`, `--loss` or `--tp-plan` naming what the flag does not take", "CLI")(
+    lambda e: e.cli("verify", "llama-tiny", "--strategy", "dp_shard=2", "--processes", "2", "--data", "mods:SIZE"))
+
+
+@case("a plan for another world than the launcher's (under `torchrun` or `accelerate launch`)", "Python")
+def _another_world(e):
+    e.monkeypatch.setenv("RANK", "0")  # what torchrun --nproc-per-node 2 sets in each rank
+    e.monkeypatch.setenv("WORLD_SIZE", "2")
+    return e.raised(fit, tiny_gpt(), tiny_batches(1), plan="dp_shard=4", steps=1)
 
 
 @case("ids that are not integers", "Python")
@@ -634,7 +651,8 @@ also("targets of another shape than the ids", "Python")(
 also("ids past the vocabulary", "Python")(
     lambda e: e.raised(_check, (300 + torch.arange(128).reshape(4, 32) * 253 // 127,
                                 torch.zeros(4, 32, dtype=torch.long))))
-also("a batch that is not a pair", "Python")(lambda e: e.raised(_check, torch.zeros(4, 32, dtype=torch.long)))
+also("a batch that is not a pair (a 2-D tensor of token ids alone is one, for a language model with the next-token "
+     "loss)", "Python")(lambda e: e.raised(_check, torch.zeros(4, 32, dtype=torch.long)))
 also("more processes than this machine allows", "magic", NO_GPU)(
     lambda e: _cpus(e) or e.magic("--gpus 8 -q --launch --processes 64"))
 also("more processes than this machine allows", "Python", NO_GPU)(

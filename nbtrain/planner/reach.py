@@ -22,9 +22,16 @@ def is_tied(profile: ModelProfile) -> bool:
 
 
 def keeps_tie_whole(profile: ModelProfile) -> bool:
-    """Whether the executor keeps this model's tied embedding and head in one stage without tensor parallelism
-    (``splits_tied`` of its family is false); a family that splits them only needs one strategy for both."""
+    """Whether the executor keeps this model's tied embedding and head unsplit by tensor parallelism, with one
+    strategy (``splits_tied`` of its family is false), and in one pipeline stage unless its stages are traced
+    (:func:`tie_crosses_stages`); a family that splits them only needs one strategy for both."""
     return is_tied(profile) and not profile.arch.get("splits_tied")
+
+
+def tie_crosses_stages(profile: ModelProfile) -> bool:
+    """Whether a tied embedding and head may sit in different pipeline stages: a family that splits them, or a
+    model whose stages are traced graphs (each end stage holds a copy; their gradients are summed)."""
+    return bool(profile.arch.get("splits_tied") or profile.arch.get("traced_stages"))
 
 
 def cuts_stages(profile: ModelProfile) -> bool:
@@ -40,7 +47,7 @@ def respects_ties(profile: ModelProfile, plan: Plan) -> bool:
     first, last = plan.layers[0], plan.layers[-1]
     if not keeps_tie_whole(profile):
         return first == last
-    return plan.pp == 1 and first == last and first.tp == 1
+    return (plan.pp == 1 or tie_crosses_stages(profile)) and first == last and first.tp == 1
 
 
 def executor_problem(profile: ModelProfile, plan: Plan) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.frontier import Frontier
 from nbtrain.planner.plan import Plan
-from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole
+from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole, tie_crosses_stages
 from nbtrain.planner.search_space import SearchOptions, Task, tasks
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import QUANTITIES, ModelProfile
@@ -195,7 +195,7 @@ class _Solver:
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
     """The options as the search applies them: one stage for a model the executor does not cut into stages, or
     whose tied embedding and head it keeps whole; no offload where the executor does not offload the model."""
-    if keeps_tie_whole(profile) or not cuts_stages(profile):
+    if keeps_tie_whole(profile) and not tie_crosses_stages(profile) or not cuts_stages(profile):
         options = replace(options, pp_degrees=(1,))
     if profile.arch.get("no_offload"):
         options = replace(options, offload_levels=(0.0,))

@@ -46,6 +46,33 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
+def own_loss(output, targets=None) -> torch.Tensor:
+    """The loss a model computed in its own forward: ``output.loss`` (a transformers ``ModelOutput`` given labels),
+    or the second element of a ``(logits, loss)`` tuple (nanoGPT's ``forward(idx, targets)``); what a run trains on
+    when the batches' inputs carry the targets and no ``loss_fn`` is given."""
+    from nbtrain.errors import InvalidArgumentError
+
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and len(output) >= 2 and \
+            isinstance(output[1], torch.Tensor) and output[1].dim() == 0:
+        loss = output[1]
+    if loss is None:
+        raise InvalidArgumentError(f"the model's output ({type(output).__name__}) carries no loss: neither .loss nor "
+                                   "a (logits, loss) tuple; give the batches' targets and a loss_fn(output, targets)")
+    return loss
+
+
+def carries_targets(batch) -> bool:
+    """Whether a batch's inputs hand the model its targets (a dict with a ``labels`` or ``targets`` key: a
+    transformers model given labels, nanoGPT's ``forward(idx, targets)``), so that it computes its own loss."""
+    return isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], dict) and \
+        bool({"labels", "targets"} & set(batch[0]))
+
+
+OWN_LOSS_NOTE = ("note: the batches' inputs hand the model its targets and no loss_fn was given: training on the "
+                 "loss the model computes in forward (output.loss, or the second element of a (logits, loss) tuple)")
+
+
 PASS_INPUTS = ("pass inputs=lambda batch, seq, device: (args, targets), args being what the model takes (a tensor, "
                "a tuple of tensors, or a dict of keyword tensors such as {'input_ids': ..., 'attention_mask': ...}), "
                "and loss_fn=lambda output, targets: loss")

@@ -363,7 +363,7 @@ def check_plan(model: nn.Module, plan: Plan, description: ModelDescription | Non
             if first.tp > 1 or last.tp > 1:
                 raise InvalidPlanError("tensor parallelism of tied embeddings is not supported yet: use tp=1 on the "
                                        "first and last layers, or a model that does not tie them")
-            if plan.pp > 1:
+            if plan.pp > 1 and d.stages != "traced":  # traced stages hold a copy each and sum their gradients
                 raise InvalidPlanError("the embedding and the head share their weight, so they cannot sit in "
                                        "different pipeline stages yet: use pp=1, or a model that does not tie them")
         if (first.dp_replicate, first.dp_shard, first.zero, first.tp) != \

@@ -127,6 +127,12 @@ def _pipe(model: nn.Module, description: ModelDescription, plan: Plan, example):
     if pipe.num_stages != plan.pp:
         raise InvalidPlanError(f"tracing {kind} gave {pipe.num_stages} pipeline stages, not the plan's {plan.pp}: its "
                                f"forward does not call {', '.join(split)} where the stages begin; plan with pp=1")
+    taken = {node.name for node in pipe.get_stage_module(0).graph.nodes if node.op == "placeholder"}
+    later = [key for key, value in kwargs.items() if isinstance(value, torch.Tensor) and key not in taken]
+    if later:  # the schedule gives the first stage the batch's inputs; only the hidden state goes on
+        raise InvalidPlanError(f"{kind}'s forward uses its input {later[0]!r} after the first pipeline stage (a loss "
+                               f"computed inside forward from {later[0]!r}?), and stages pass only the hidden state "
+                               "on; return the logits and give the loss as loss_fn (--loss), or plan with pp=1")
     aliases, param_names = _module_aliases(model), _parameter_aliases(model)
     for stage, (start, end) in enumerate(plan.stage_ranges()):
         module = pipe.get_stage_module(stage)
