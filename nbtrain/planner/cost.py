@@ -48,10 +48,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   over ``dp_replicate``. It overlaps with backward: a layer's collective runs while the layer before it computes
   its backward, slowed by contention (Galvatron measures ×1.3); only the excess shows.
 * **CPU update offload**: the offloaded fraction's AdamW runs on the host at the node's rate shared by its
-  devices, and its gradients go down and parameters up over PCIe, both in the compute dtype (bf16 gradients
-  when training in bf16, as DeepSpeed's Reflow sends them; the fp32 master stays on the host). CoTrain (Liu et al.
-  2023) overlaps both with backward: a layer's update starts when its gradients are ready, so only the excess
-  over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it. A CPU
+  devices, its gradients down and parameters up over PCIe in the compute dtype (as Reflow sends them). CoTrain
+  (Liu et al. 2023) overlaps both with backward: a layer's update starts when its gradients are ready, so only the
+  excess over that layer's backward shows; ZeRO-Offload's schedule (``offload_overlap=False``) adds all of it. A CPU
   "device" shares the host's memory: no PCIe, but the update copies its new weights into the parameters (at the
   copy bandwidth), and the device's own share of the update takes the same cores' time (``Time.update``).
 * **Expert parallelism** (``ep``): the experts' model states on ``1/ep`` of the ranks, the all-to-alls of the

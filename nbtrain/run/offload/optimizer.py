@@ -26,6 +26,7 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.run.parallel.mesh import local_shard
 from nbtrain.run.offload.ddp import attach_ddp
+from nbtrain.run.offload.landing import Landing
 from nbtrain.run.offload.split import cut_layer
 from nbtrain.run.offload.state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
                                        load_state, save_state, settle_gradients, shard_groups)
@@ -33,7 +34,7 @@ from nbtrain.run.offload.state import (Layer, Piece, StepLog, adamw_step, cpu_up
 SCHEDULES = ("overlap", "after_backward")
 
 
-class OffloadedAdamW(torch.optim.Optimizer):
+class OffloadedAdamW(Landing, torch.optim.Optimizer):
     """AdamW with ``offload[i]`` of layer i's update on the CPU (module docstring: schedules, clipping, threads).
 
     ``layers``: each layer's parameters, layers in forward order (a parameter listed twice, tied, belongs to its
@@ -352,45 +353,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         layer.reset()
         for pc in layer.cpu:
             pc.grad = None  # no gradient kept alive past its update
-
-    # -- landing: the CPU's new weights in the model -------------------------------------------------------------
-
-    def _pre_forward(self, layer: Layer) -> None:
-        if layer in self._pending:
-            self._land(layer)
-        layer.forward_start = perf_counter()
-
-    def _land(self, layer: Layer) -> None:
-        """Wait for the layer's CPU update (raising a worker's exception here, with its traceback) and copy the new
-        weights to the device (host-memory parameters the worker wrote itself)."""
-        self._pending.remove(layer)
-        try:
-            try:
-                for future in layer.futures:
-                    future.result()
-            except BaseException:  # the step is lost: wait for its other updates, which need not land, and say so
-                for other in self._pending:
-                    for future in other.futures:
-                        future.exception()
-                    self._forget(other)
-                self._pending = []
-                raise
-            on_device = [pc for pc in layer.cpu if pc.index in layer.arrived and pc.param.is_cuda]
-            if on_device:  # after the worker's update; stream-ordered before the forward that follows
-                copied = perf_counter()
-                for pc in on_device:
-                    pc.copy_back()
-                layer.log.add("device", f"weights {layer.index}", copied)
-        finally:
-            log = layer.log
-            self._forget(layer)
-            if not self._pending and self._landing is log:
-                self.last_trace, self._landing = log.trace(), None
-
-    def synchronize(self) -> None:
-        """Land every CPU update still running (before reading parameters; forward and state_dict() land theirs)."""
-        while self._pending:
-            self._land(self._pending[0])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; it also marks the start of the next step for the trace."""
