@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from nbtrain.data import stdlib_batches
-from nbtrain.errors import InvalidArgumentError, InvalidPlanError
+from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NoFeasiblePlanError
 from nbtrain.models.description import layer_slots
 from nbtrain.planner.cost import CostOptions
 from nbtrain.planner.planned import PlannedModel, plan_and_compare
+from nbtrain.planner.recommend import at_edge
 from nbtrain.planner.scale import scale_plan
 from nbtrain.planner.search_space import SearchOptions
 from nbtrain.profiler.hardware import Cluster
@@ -193,14 +194,23 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     else:
         cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or 8, devices_per_node=gpus_per_node)
     gpus = cluster.num_devices
-    # CPU update offload is searched like every other axis (the plan takes it where it makes the model fit or the
-    # step faster, and says so); --no-offload keeps every update on the devices
-    options = SearchOptions() if offload else SearchOptions(offload_levels=(0.0,))
     here = cluster.source != "catalog" and cluster.device == "cpu"
     if here and seq is None:  # what a launch here trains on (train_here)
         seq = min(profile.seq_len, LOCAL_SEQ)
-    job = plan_and_compare(profile, cluster, global_batch=batch or 4 * gpus, seq_len=seq, memory=memory,
-                           strategy=strategy, top=top, options=options, cost_options=CostOptions(headroom=headroom))
+    kwargs = dict(global_batch=batch or 4 * gpus, seq_len=seq, memory=memory, strategy=strategy, top=top,
+                  cost_options=CostOptions(headroom=headroom))
+    # CPU update offload where it makes the model fit or the step faster, and the plan says so (--no-offload: never).
+    # It can only do either where memory binds: nothing fits without it, or the best plan without it recomputes
+    # activations or fills its memory; elsewhere the search without it (about half the work) is the answer.
+    try:
+        job = plan_and_compare(profile, cluster, options=SearchOptions(offload_levels=(0.0,)), **kwargs)
+        binds = offload and strategy is None and (any(s.ac for s in job.plan.layers) or at_edge(job.plan))
+    except NoFeasiblePlanError:
+        if not offload or strategy is not None:
+            raise
+        binds = True
+    if binds:
+        job = plan_and_compare(profile, cluster, options=SearchOptions(), **kwargs)
     if here:
         job = as_launched_here(job, model, loss_fn=loss_fn, inputs=inputs, tp_plan=tp_plan,
                                headroom=headroom)
