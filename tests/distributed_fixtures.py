@@ -7,6 +7,7 @@ in one process group, so the ~5 s of ``import torch`` per process is paid once p
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
 import traceback
@@ -88,7 +89,11 @@ def gloo_worker(rank: int, world: int, port: int, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
     def report(payload) -> None:
-        queue.put((rank, "ok", payload))
+        # by value: a tensor put on the queue as it is travels as a shared-memory handle that the parent can open
+        # only while this process lives, and the workers may exit before the parent has read every answer
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
         dist.barrier()
 
     try:
@@ -144,7 +149,8 @@ def spawn_group(worker, world: int, *args, timeout: float = 300):
     errors = [payload for _, status, payload in answers if status == "error"]
     if errors:
         raise AssertionError("a worker failed:\n" + errors[0])
-    return next(payload for rank, _, payload in answers if rank == 0)
+    payload = next(payload for rank, _, payload in answers if rank == 0)
+    return torch.load(io.BytesIO(payload), weights_only=False) if isinstance(payload, bytes) else payload
 
 
 def distributed_losses(build, plans: list[str], world: int, clip_norm: float | None = None,
