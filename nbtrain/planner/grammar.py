@@ -306,8 +306,8 @@ def _indices(where: str, num_layers: int) -> list[int]:
     return out
 
 
-def _spans(indices: list[int]) -> str:
-    """[0, 1, 2, 5] → 'layers 0-2, 5 are' (the subject of the sentence that says what is wrong with them)."""
+def layer_spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5] → 'layers 0-2, 5'; [3] → 'layer 3' (sorted indices, runs as ranges)."""
     runs: list[list[int]] = []
     for i in indices:
         if runs and runs[-1][1] == i - 1:
@@ -315,4 +315,9 @@ def _spans(indices: list[int]) -> str:
         else:
             runs.append([i, i])
     text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
-    return f"layer {text} is" if len(indices) == 1 else f"layers {text} are"
+    return f"layer {text}" if len(indices) == 1 else f"layers {text}"
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5] → 'layers 0-2, 5 are' (the subject of the sentence that says what is wrong with them)."""
+    return f"{layer_spans(indices)} {'is' if len(indices) == 1 else 'are'}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from nbtrain.planner.cost import CostOptions
+from nbtrain.planner.grammar import layer_spans
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.search import leanest, search
 from nbtrain.planner.search_space import SearchOptions
@@ -40,7 +41,7 @@ def offload_note(best: Plan, without: Plan | None, profile, cluster, *, global_b
     if not offloaded:
         return ""
     fractions = sorted({f"{best.layers[i].offload:g}" for i in offloaded})
-    where = f"CPU update offload on {_layers(offloaded)} (offload={', '.join(fractions)})"
+    where = f"CPU update offload on {layer_spans(offloaded)} (offload={', '.join(fractions)})"
     if without is None:
         lean = leanest(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=memory,
                        options=replace(options, offload_levels=(0.0,)), cost_options=cost_options)
@@ -51,13 +52,3 @@ def offload_note(best: Plan, without: Plan | None, profile, cluster, *, global_b
     return (f"{where}: the step is {gain:.0%} faster than the best plan without it, '{without}' "
             f"({format_seconds(without.predicted.step_time_s)}); --no-offload turns it off")
 
-
-def _layers(indices: list[int]) -> str:
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
-    return f"layer {text}" if len(indices) == 1 else f"layers {text}"
