@@ -13,6 +13,21 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+TABLE_CSS = (
+    ".nbtrain-table{border-collapse:collapse;margin:0.4em 0;font-variant-numeric:tabular-nums;border:none}"
+    ".nbtrain-table caption{text-align:left;font-weight:600;padding:0 0 0.3em 0}"
+    ".nbtrain-table th,.nbtrain-table td{padding:0.25em 0.8em;border:none;vertical-align:top}"
+    ".nbtrain-table th{white-space:nowrap;font-weight:600;border-bottom:1px solid currentColor}"
+    ".nbtrain-table td.r{white-space:nowrap}"
+    ".nbtrain-table tbody tr:nth-child(even){background:rgba(127,127,127,0.09)}"
+    ".nbtrain-table tr.rule td{border-top:1px solid rgba(127,127,127,0.6)}"
+    ".nbtrain-notes{font-size:90%;margin:0.2em 0 0.6em 0}"
+)
+"""How every nbtrain table looks in HTML, wherever it is shown: a static output, the plan explorer's widgets (which
+sit outside the notebook's own table style) or an exported page. A header rule, light stripes, numbers that never
+wrap ("2.32 GiB" stays on one line) and headers that never break."""
+
+
 
 @dataclass
 class Table:
@@ -53,14 +68,24 @@ class Table:
         return "\n".join(out)
 
     def _repr_html_(self) -> str:
+        """The table in HTML with its own style (``TABLE_CSS``), so it looks the same in every place it is shown."""
+
         def cell(tag: str, text: str, i: int) -> str:
-            side = "left" if self._align(i) == "l" else "right"
-            return f'<{tag} style="text-align:{side}">{html.escape(text)}</{tag}>'
+            side = self._align(i)
+            style = "left" if side == "l" else "right"
+            return f'<{tag} class="{side}" style="text-align:{style}">{html.escape(text)}</{tag}>'
 
         head = "".join(cell("th", h, i) for i, h in enumerate(self.header))
-        body = "".join(
-            "<tr>" + "".join(cell("td", c, i) for i, c in enumerate(row)) + "</tr>" for row in self.rows if row
-        )
+        body, rule = [], False
+        for row in self.rows:
+            if not row:
+                rule = True
+                continue
+            cells = "".join(cell("td", c, i) for i, c in enumerate(row))
+            body.append(f'<tr class="rule">{cells}</tr>' if rule else f"<tr>{cells}</tr>")
+            rule = False
         caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
         notes = "".join(f"<div>{html.escape(line)}</div>" for line in self.footer)
-        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{notes}"
+        notes = f'<div class="nbtrain-notes">{notes}</div>' if notes else ""
+        return (f'<style>{TABLE_CSS}</style><table class="nbtrain-table">{caption}<thead><tr>{head}</tr></thead>'
+                f"<tbody>{''.join(body)}</tbody></table>{notes}")

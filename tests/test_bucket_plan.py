@@ -361,7 +361,7 @@ def test_the_table_has_one_row_per_bucket_the_switches_the_static_plan_and_the_s
     line = hot.summary()
     assert "\n" not in line and line.startswith("hot switching: 2 buckets") and f"{hot.speedup:.2f}×" in line
     assert hot.strategies() == {1024: hot.buckets[0].strategy, 16384: hot.buckets[1].strategy}
-    assert "<table>" in hot._repr_html_()
+    assert '<table class="nbtrain-table">' in hot._repr_html_()
 
 
 @pytest.mark.parametrize("buckets, message", [

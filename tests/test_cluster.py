@@ -165,7 +165,7 @@ def test_the_table_names_the_device_and_shows_units():
     text = str(cluster)
     assert "H100" in text and "80.00 GiB" in text and "2.00 TiB" in text
     assert "TFLOP/s" in text and "450.0 GB/s" in text and "G params/s" in text
-    assert "<table>" in cluster._repr_html_() and "H100" in cluster._repr_html_()
+    assert '<table class="nbtrain-table">' in cluster._repr_html_() and "H100" in cluster._repr_html_()
 
 
 def test_the_summary_is_one_line_with_counts_memory_compute_and_links():

@@ -121,7 +121,7 @@ def test_table_has_a_row_per_stage_and_the_summary_says_fits_and_time(llama7b):
     assert all(f"\n{i}  " in text for i in range(4))
     summary = typed.summary()
     assert summary.startswith("recommended: pp=4") and "fits" in summary and "/step" in summary
-    assert typed._repr_html_().startswith("<table>")
+    assert '<table class="nbtrain-table">' in typed._repr_html_()
     comparison = str(comparison_table(typed, baselines(llama7b, h100s(), global_batch=64, seq_len=2048)))
     assert "FSDP (ZeRO-3)" in comparison and "× recommended's time" in comparison
 

@@ -215,7 +215,7 @@ def test_table_folds_identical_blocks_and_shows_totals_and_adam_memory():
     assert "blocks.0-79" in text and "×80" in text and "total" in text
     assert "plain Adam training on one device" in text and "GiB" in text
     html = nbtrain.profile("gpt-tiny", batch_size=1, seq_len=16)._repr_html_()
-    assert html.startswith("<table>") and "blocks.0-3" in html
+    assert '<table class="nbtrain-table">' in html and "blocks.0-3" in html
 
 
 def test_adam_memory_is_sixteen_bytes_per_parameter_plus_activations():

@@ -30,6 +30,18 @@ def _show(table) -> None:
     display({"text/plain": str(table), "text/html": table._repr_html_()}, raw=True)
 
 
+def _show_beside_explorer(plan, baselines, label: str, notes: list[str]) -> None:
+    """The static plan as one output that steps aside while the live explorer after it is on the page: its text
+    and HTML are what papermill, an exported page and a notebook reopened without its kernel show."""
+    from nbtrain.notebook.plan_view import static_block, step_time_chart_html
+    from nbtrain.planner.report import comparison_table
+
+    table, comparison = plan.table(), comparison_table(plan, baselines, label)
+    text = "\n\n".join([str(table), str(comparison), *(f"note: {n}" for n in notes)])
+    tables = table._repr_html_() + step_time_chart_html(plan, baselines, label)
+    display({"text/plain": text, "text/html": static_block(tables, notes, explorer_follows=True)}, raw=True)
+
+
 @magics_class
 class AutoparallelMagics(Magics):
     @magic_arguments()
@@ -153,18 +165,24 @@ class AutoparallelMagics(Magics):
         if args.output:
             namespace[args.output] = plan
         print(job.job.summary())  # first: what a person reads before the tables that detail it
-        if not args.quiet:
-            _show(plan.table())
-            _show(comparison_table(plan, job.baselines, job.job.label))
-            for note in plan.notes:
-                print("note:", note)
+        notes = []  # beside the tables; the plan's own notes are under its table
         if note := decimal_note(args.memory):
-            print("note:", note)
+            notes.append(note)
         if not args.calibrate and args.gpus is None and args.gpu is None and args.gpus_per_node is None:
-            print("note: --no-calibrate: this machine was not measured; its predictions use a generic CPU's rates "
-                  "(and communication measured earlier, where it was), so they are rough")
-        if not args.quiet and not args.launch:
-            self._explorer(job, args, memory)
+            notes.append("--no-calibrate: this machine was not measured; its predictions use a generic CPU's rates "
+                         "(and communication measured earlier, where it was), so they are rough")
+        explorer = self._explorer(job, memory) if not args.quiet and not args.launch else None
+        if explorer is not None:  # one output: the explorer, with the static plan kept for papermill and exports
+            _show_beside_explorer(plan, job.baselines, job.job.label, notes)
+            display(explorer)
+        else:
+            if not args.quiet:
+                _show(plan.table())
+                _show(comparison_table(plan, job.baselines, job.job.label))
+                for note in plan.notes:
+                    print("note:", note)
+            for note in notes:
+                print("note:", note)
         if args.export:
             from nbtrain.notebook.export import export_cell, papermill_command
 
@@ -226,17 +244,16 @@ class AutoparallelMagics(Magics):
             raise UsageError(f"{flag} {name}: no variable {name!r} in the notebook; define it first")
         return self.shell.user_ns[name]
 
-    def _explorer(self, job, args, memory) -> None:
+    def _explorer(self, job, memory):
+        """The plan explorer, opening on the cell's plan (not planned again), in a live notebook; else None."""
         from nbtrain.notebook.widgets import explore
         from nbtrain.profiler.catalog import CATALOG
 
         c = job.cluster
-        explorer = explore(job.profile, num_devices=c.num_devices, devices_per_node=c.devices_per_node,
-                           device=c.device if c.device in CATALOG else "H100", memory=memory,
-                           global_batch=job.plan.global_batch,
-                           seq_len=job.plan.seq_len)
-        if explorer is not None:
-            display(explorer)
+        return explore(job.profile, num_devices=c.num_devices, devices_per_node=c.devices_per_node,
+                       device=c.device if c.device in CATALOG else "H100", memory=memory,
+                       global_batch=job.plan.global_batch, seq_len=job.plan.seq_len,
+                       opening=(job.plan, job.baselines, c))
 
 
 def _local_devices() -> int:

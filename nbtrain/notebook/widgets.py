@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import html
 import os
+import threading
 import time
 
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError
-from nbtrain.notebook.plots import CATEGORIES, COLORS
+from nbtrain.notebook.plan_view import memory_bars_html, step_time_chart_html, styled
 from nbtrain.units import format_bytes, format_seconds
 
 DEVICE_COUNTS = tuple(2**k for k in range(11))  # 1 .. 1024
@@ -43,29 +44,6 @@ def interactive() -> bool:
     return True
 
 
-def memory_bars_html(plan) -> str:
-    """Memory per device of each stage of ``plan`` as stacked HTML bars, the budget as a dashed mark."""
-    pred = plan.predicted
-    scale = max(pred.budget_bytes, pred.memory_bytes) or 1.0
-    rows = []
-    for i, (stage, (start, end)) in enumerate(zip(pred.stages, plan.stage_ranges())):
-        segments = "".join(
-            f'<div title="{category} {format_bytes(value)}" style="flex:none;width:{100 * value / scale:.3f}%;'
-            f'background:{COLORS[category]}"></div>'
-            for category in CATEGORIES if (value := getattr(stage.memory, category)) > 0)
-        budget = (f'<div style="position:absolute;left:{100 * pred.budget_bytes / scale:.3f}%;top:-3px;bottom:-3px;'
-                  'border-left:2px dashed black"></div>')
-        rows.append(
-            f'<tr><td style="white-space:nowrap">stage {i} (layers {start}-{end - 1})</td>'
-            f'<td style="width:60%"><div style="position:relative;display:flex;height:14px;background:#eee">'
-            f'{segments}{budget}</div></td>'
-            f'<td style="text-align:right;white-space:nowrap">{format_bytes(stage.memory.total)} of '
-            f'{format_bytes(pred.budget_bytes)}</td></tr>')
-    legend = " ".join(f'<span style="color:{COLORS[c]}">&#9632;</span>&nbsp;{c}' for c in CATEGORIES)
-    return (f"<div><b>memory per device by stage</b> (dashed: the budget)</div>"
-            f'<table style="width:100%">{"".join(rows)}</table><div style="font-size:smaller">{legend}</div>')
-
-
 def _memory_text(memory) -> str:
     """The memory box's text for the ``memory`` argument: ``None`` → empty (the device's own)."""
     if memory is None:
@@ -74,23 +52,31 @@ def _memory_text(memory) -> str:
 
 
 class PlanExplorer:
-    """Controls for the cluster and the batch; below them the recommended plan, its memory per stage and the
-    baselines, recomputed whenever a control changes.
+    """Controls for the cluster and the batch; below them the recommended plan, its memory per stage and a chart of
+    the compared plans' step times, recomputed whenever a control changes.
 
         >>> ex = PlanExplorer(prof, num_devices=8, device="A100-40GB", memory="24GiB", global_batch=32)
         >>> ex                                           # the last expression of a cell shows the widget
-        >>> ex.controls["devices"].value = 16            # replans at once
+        >>> ex.controls["devices"].value = 16            # a choice from a list replans at once
         >>> ex.plan.num_devices, ex.error
         (16, None)
+        >>> ex.controls["memory"].value = "40GiB"        # typed: replans once typing pauses (debounce_s)
+        >>> ex.settle().predicted.budget_bytes / 2**30
+        40.0
 
     ``controls`` maps ``devices``, ``devices_per_node``, ``device``, ``memory``, ``global_batch`` and ``seq_len`` to
     their widgets. ``plan`` is the recommendation for the controls as they are, or None while they ask for
     something impossible, which ``error`` then explains (it is shown in place of the plan, never raised).
-    ``devices_per_node`` starts at most at ``num_devices``.
+    ``devices_per_node`` starts at most at ``num_devices``. ``opening=(plan, baselines, cluster)`` shows a plan
+    already made (the cell's) until a control changes, instead of planning again.
     """
 
+    TYPED = ("memory", "global_batch", "seq_len")
+    """The boxes a person types into: they update as typed, and replan ``debounce_s`` after the last keystroke."""
+
     def __init__(self, profile, *, num_devices: int = 8, devices_per_node: int = 8, device: str = "H100",
-                 memory=None, global_batch: int = 32, seq_len: int | None = None):
+                 memory=None, global_batch: int = 32, seq_len: int | None = None, opening=None,
+                 debounce_s: float = 0.6):
         import ipywidgets as w
 
         from nbtrain.profiler.hardware import CATALOG, lookup
@@ -106,6 +92,9 @@ class PlanExplorer:
         self.plan = None
         self.error: str | None = None
         self.baselines: list = []
+        self.debounce_s = debounce_s
+        self._timer: threading.Timer | None = None
+        self._planning = threading.Lock()
         style = {"description_width": "initial"}
         per_node = min(devices_per_node, num_devices)
         self.controls = {
@@ -114,30 +103,43 @@ class PlanExplorer:
             "devices_per_node": w.Dropdown(options=sorted({*DEVICES_PER_NODE, per_node}), value=per_node,
                                            description="per node", style=style),
             "device": w.Dropdown(options=list(CATALOG), value=lookup(device), description="device", style=style),
-            "memory": w.Text(value=_memory_text(memory), placeholder="the device's own, e.g. 24GiB",
-                             description="memory/device", continuous_update=False, style=style),
-            "global_batch": w.IntText(value=global_batch, description="global batch", style=style),
-            "seq_len": w.IntText(value=seq_len or profile.seq_len, description="sequence length", style=style),
+            "memory": w.Text(value=_memory_text(memory), placeholder="the device's own",
+                             description="memory per device", continuous_update=True, style=style),
+            "global_batch": w.IntText(value=global_batch, description="global batch", continuous_update=True,
+                                      style=style, layout=w.Layout(width="12em")),
+            "seq_len": w.IntText(value=seq_len or profile.seq_len, description="sequence length",
+                                 continuous_update=True, style=style, layout=w.Layout(width="14em")),
         }
         self.status = w.HTML()
-        """One line: "planning…" while the planner runs, then the cluster and the time it took, or the error."""
+        """One line: "planning…" while the planner runs, then the cluster, the budget in force and the time it
+        took, or the error."""
         self.summary = w.HTML()
         """The recommended plan's summary line and its table."""
         self.memory = w.HTML()
-        """Memory per device by stage, stacked bars against the budget."""
+        """Memory per device by stage, stacked by kind, on the budget's scale."""
         self.comparison = w.HTML()
-        """The recommended plan beside its alternatives and the baselines (DDP, FSDP, Megatron TP, ...)."""
+        """The recommended plan beside its alternatives and the baselines (DDP, FSDP, Megatron TP, ...): a chart of
+        their step times."""
         c = self.controls
+        unit = lambda text: w.HTML(f'<span style="color:#777;white-space:nowrap">{text}</span>')  # noqa: E731
         self.widget = w.VBox([
             w.HTML(f"<b>plan explorer: {html.escape(profile.model)}</b>"),
             w.HBox([c["devices"], c["devices_per_node"], c["device"]]),
-            w.HBox([c["memory"], c["global_batch"], c["seq_len"]]),
+            w.HBox([c["memory"], unit("e.g. 24GiB, 512MiB, 80GB"), c["global_batch"], unit("sequences")]),
+            w.HBox([c["seq_len"], unit("tokens per sequence")]),
             self.status, self.summary, self.memory, self.comparison,
         ])
+        self.widget.add_class("nbtrain-explorer")  # the static plan above steps aside while this is on the page
+        for name, part in (*c.items(), ("status", self.status), ("summary", self.summary),
+                           ("memory_bars", self.memory), ("comparison", self.comparison)):
+            part.add_class(f"nbtrain-{name.replace('_', '-')}")  # a page (or a test in a browser) can find each
         self._per_node, self._following = devices_per_node, False
         for control in c.values():
             control.observe(self._changed, names="value")
-        self.update()
+        if opening is not None:
+            self._show(*opening, took=None)
+        else:
+            self.update()
 
     def _changed(self, change) -> None:
         if self._following:
@@ -156,7 +158,33 @@ class PlanExplorer:
                     per_node.value = wanted
                 finally:
                     self._following = False
-        self.update()
+        typed = any(change["owner"] is self.controls[name] for name in self.TYPED)
+        if typed and self.debounce_s > 0:
+            self._later()
+        else:
+            self._cancel()
+            self.update()
+
+    def _later(self) -> None:
+        """Replan ``debounce_s`` after the last keystroke: "24GiB" typed is one plan, not five."""
+        self._cancel()
+        self.status.value = "<i>waiting for typing to pause…</i>"
+        self._timer = threading.Timer(self.debounce_s, self.update)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def settle(self):
+        """Wait for a pending (debounced) replan and return the plan, as :meth:`update` does."""
+        timer = self._timer
+        if timer is not None:
+            timer.join()
+        with self._planning:
+            return self.plan
 
     def _replan(self):
         """(plan, baselines, cluster) for the controls' values; raises what the planner raises."""
@@ -179,25 +207,27 @@ class PlanExplorer:
 
     def update(self):
         """Plan again for the controls' current values; returns the plan, or None (and sets ``error``)."""
-        from nbtrain.planner.report import comparison_table
+        with self._planning:
+            self._timer = None
+            self.status.value = "<i>planning…</i>"
+            started = time.perf_counter()
+            try:
+                best, baselines, cluster = self._replan()
+            except Exception as e:  # a widget callback has nowhere to raise to: show it where the plan would be
+                message = str(e) if isinstance(e, NbtrainError) else f"unexpected {type(e).__name__}: {e}"
+                self.plan, self.baselines, self.error = None, [], message
+                self.status.value = f'<div style="color:#b00020"><b>cannot plan:</b> {html.escape(message)}</div>'
+                self.summary.value = self.memory.value = self.comparison.value = ""
+                return None
+            self._show(best, baselines, cluster, took=time.perf_counter() - started)
+            return best
 
-        self.status.value = "<i>planning…</i>"
-        started = time.perf_counter()
-        try:
-            best, baselines, cluster = self._replan()
-        except Exception as e:  # a widget callback has nowhere to raise to: show it where the plan would be
-            message = str(e) if isinstance(e, NbtrainError) else f"unexpected {type(e).__name__}: {e}"
-            self.plan, self.baselines, self.error = None, [], message
-            self.status.value = f'<div style="color:#b00020"><b>cannot plan:</b> {html.escape(message)}</div>'
-            self.summary.value = self.memory.value = self.comparison.value = ""
-            return None
+    def _show(self, best, baselines, cluster, *, took: float | None) -> None:
         self.plan, self.baselines, self.error = best, baselines, None
-        took = format_seconds(time.perf_counter() - started)
-        self.status.value = f"<div>{html.escape(cluster.summary())} · planned in {took}</div>"
-        self.summary.value = f"<div><b>{html.escape(best.summary())}</b></div>{best.table()._repr_html_()}"
-        self.memory.value = memory_bars_html(best)
-        self.comparison.value = comparison_table(best, baselines)._repr_html_()
-        return best
+        self.status.value = f"<div>{html.escape(_status(best, cluster, took))}</div>"
+        self.summary.value = styled(f"<div><b>{html.escape(best.summary())}</b></div>{best.table()._repr_html_()}")
+        self.memory.value = styled(memory_bars_html(best))
+        self.comparison.value = styled(step_time_chart_html(best, baselines))
 
     def __repr__(self) -> str:
         shown = self.plan.summary() if self.plan is not None else f"error: {self.error}"
@@ -210,6 +240,18 @@ class PlanExplorer:
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
         return self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
+
+
+def _status(plan, cluster, took: float | None) -> str:
+    """The cluster and the budget in force, e.g. "8 × H100 in 1 node · memory budget 1.50 GiB per device (the
+    device has 80.00 GiB) · planned in 1.2 s"."""
+    nodes = f"{cluster.num_nodes} node" + ("s" if cluster.num_nodes > 1 else "")
+    budget = plan.predicted.budget_bytes
+    own = ("the device's own" if budget >= cluster.device_memory
+           else f"the device has {format_bytes(cluster.device_memory)}")
+    when = f"planned in {format_seconds(took)}" if took is not None else "the cell's plan"
+    return (f"{cluster.num_devices} × {cluster.device} in {nodes} · memory budget {format_bytes(budget)} per device "
+            f"({own}) · {when}")
 
 
 def explore(profile, **kwargs) -> PlanExplorer | None:
