@@ -22,6 +22,7 @@ import json
 import sys
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NbtrainError, WorkerError
+from nbtrain.plan_flags import NBTRAIN_PLAN, planning_flags
 from nbtrain.units import decimal_note
 
 
@@ -69,26 +70,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Profile the model, search data/sharded/tensor/pipeline parallelism, activation "
                                    "checkpointing and CPU offload per layer, and print the plan.")
     q.add_argument("model", help="a preset or 'package.module:attribute' (as for 'nbtrain profile')")
-    q.add_argument("--gpus", type=_positive_int, default=None,
-                   help="devices of a described cluster (default 1 with --gpu; without --gpus and --gpu: this machine)")
-    q.add_argument("--gpus-per-node", type=_positive_int, default=None, help="devices per node (default ≤ 8)")
-    q.add_argument("--gpu", default=None, help="device from the catalog (default H100 with --gpus; without --gpus "
-                                               "and --gpu: this machine's GPUs, or 2 CPU worker processes)")
+    for flag in planning_flags(NBTRAIN_PLAN):  # the same flags as %%autoparallel's (nbtrain/plan_flags.py)
+        q.add_argument(*flag.names, **flag.options)
     q.add_argument("--cluster", default=None, metavar="FILE",
                    help="plan for the cluster saved in FILE (nbtrain cluster ... --save FILE) instead of --gpu/--gpus")
-    q.add_argument("--memory", default=None, help="memory budget per device, e.g. 40GiB (default: the device's)")
-    q.add_argument("--headroom", default=None, metavar="FRACTION",
-                   help="share of each device's memory kept free for the allocator's fragmentation, e.g. 5%% "
-                        "(default 10%% on a GPU, none on the CPU)")
-    q.add_argument("--batch", type=_positive_int, required=True, help="global batch: sequences per step")
-    q.add_argument("--seq", type=_positive_int, default=None, help="tokens per sequence (default: as profile)")
-    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype (bf16)")
-    q.add_argument("--strategy", default=None, help='evaluate this plan instead of searching, e.g. '
-                                                    '"pp=2 mb=8 | dp_shard=4 tp=2 ac"')
-    q.add_argument("--no-offload", dest="offload", action="store_false",
-                   help="never move optimizer updates to the CPU (by default the plan offloads where that makes the "
-                        "model fit or the step faster)")
-    q.add_argument("--top", type=_positive_int, default=3, help="plans to show: the best and top-1 alternatives")
     q.add_argument("--json", action="store_true", help="print JSON instead of tables")
     q.set_defaults(run=_plan)
 
@@ -199,7 +184,7 @@ def _plan(args) -> None:
     if args.cluster:
         cluster = Cluster.load(args.cluster)
     elif described:
-        cluster = Cluster.from_catalog(args.gpu or "H100", num_devices=args.gpus or 1,
+        cluster = Cluster.from_catalog(args.gpu or "H100", num_devices=args.gpus or NBTRAIN_PLAN.gpus_with_gpu,
                                        devices_per_node=args.gpus_per_node)
     else:
         cluster = Cluster.this_machine(2, progress=None if args.json else print)

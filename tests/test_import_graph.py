@@ -69,6 +69,7 @@ LAYER_OF = {
     # notebook.cell call it), so it is in the top layer with them.
     "notebook": "app",
     "cli": "app",
+    "plan_flags": "app",  # the planning flags cli and notebook.magics share: argparse only, so cli stays IPython-free
     "demo": "app",
 }
 

@@ -22,6 +22,7 @@ from torch import nn
 from nbtrain.data import stdlib_batches
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NoFeasiblePlanError
 from nbtrain.models.description import layer_slots
+from nbtrain.plan_flags import AUTOPARALLEL
 from nbtrain.planner.cost import CostOptions
 from nbtrain.planner.planned import PlannedModel, plan_and_compare
 from nbtrain.planner.recommend import at_edge
@@ -192,13 +193,14 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     if gpus is None and gpu is None and gpus_per_node is None:
         cluster = Cluster.this_machine(processes, calibrate=calibrate)
     else:
-        cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or 8, devices_per_node=gpus_per_node)
+        cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or AUTOPARALLEL.gpus_with_gpu,
+                                       devices_per_node=gpus_per_node)
     gpus = cluster.num_devices
     here = cluster.source != "catalog" and cluster.device == "cpu"
     if here and seq is None:  # what a launch here trains on (train_here)
         seq = min(profile.seq_len, LOCAL_SEQ)
-    kwargs = dict(global_batch=batch or 4 * gpus, seq_len=seq, memory=memory, strategy=strategy, top=top,
-                  cost_options=CostOptions(headroom=headroom))
+    kwargs = dict(global_batch=batch or AUTOPARALLEL.batch_per_device * gpus, seq_len=seq, memory=memory,
+                  strategy=strategy, top=top, cost_options=CostOptions(headroom=headroom))
     # CPU update offload where it makes the model fit or the step faster, and the plan says so (--no-offload: never).
     # It can only do either where memory binds: nothing fits without it, or the best plan without it recomputes
     # activations or fills its memory; elsewhere the search without it (about half the work) is the answer.

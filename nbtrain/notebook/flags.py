@@ -2,8 +2,9 @@
 
     >>> memory = check_line(args, local_devices=lambda: 2)      # args: the parsed line; returns the budget in bytes
 
-Every value nbtrain cannot use is one ``UsageError`` line that names the flag and what to write instead: counts
-that are not positive, a size it cannot read, a name ``-o`` cannot bind, flags that only mean something with
+Every value nbtrain cannot use is one ``UsageError`` line that names the flag and what to write instead: training
+counts that are not positive (the planning flags' counts and ``--dtype`` are refused while the line is parsed,
+:mod:`nbtrain.plan_flags`), a size it cannot read, a name ``-o`` cannot bind, flags that only mean something with
 ``--launch`` (or ``--export``) given without it, checkpoint flags that contradict each other, and a process count
 the plan cannot be scaled to. The defaults of the training flags are filled in here, once they are known to apply.
 """
@@ -109,7 +110,8 @@ def _check_checkpoint_flags(args) -> None:
 
 
 def _check_counts(args) -> None:
-    for flag in ("gpus", "top", "processes", "steps", "gpus_per_node", "batch", "seq", "checkpoint_every"):
+    # the planning counts (--gpus, --batch, ...) are refused as the line is parsed (nbtrain/plan_flags.py)
+    for flag in ("processes", "steps", "checkpoint_every"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: must be a positive integer")

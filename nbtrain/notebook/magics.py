@@ -22,6 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from nbtrain.errors import NbtrainError, WorkerError
+from nbtrain.plan_flags import AUTOPARALLEL, planning_flags
 from nbtrain.units import decimal_note
 
 
@@ -42,6 +43,14 @@ def _show_beside_explorer(plan, baselines, label: str, notes: list[str]) -> None
     display({"text/plain": text, "text/html": static_block(tables, notes, explorer_follows=True)}, raw=True)
 
 
+def _planning_flags(magic):
+    """``@argument`` for each planning flag ``nbtrain plan`` shares. ``magic_arguments`` reads its decorators
+    bottom-up, so the last flag is applied first and ``%%autoparallel?`` lists them in the shared order."""
+    for flag in reversed(planning_flags(AUTOPARALLEL)):
+        magic = argument(*flag.names, **flag.options)(magic)
+    return magic
+
+
 @magics_class
 class AutoparallelMagics(Magics):
     @magic_arguments()
@@ -53,30 +62,10 @@ class AutoparallelMagics(Magics):
     @argument("--loss", metavar="NAME", help="a function loss(output, targets) (default: next-token cross-entropy)")
     @argument("--tp-plan", metavar="NAME", help="a tensor-parallel plan, {'blocks.*.fc1': 'colwise', ...}, for a "
                                                 "model whose config carries none")
-    @argument("--gpus", type=int, default=None, help="devices of a described cluster (default 8 with --gpu; "
-                                                    "without --gpus and --gpu the plan is for this machine)")
-    @argument("--gpus-per-node", type=int, default=None, help="devices per node (default: up to 8)")
-    @argument("--gpu", default=None, help="device type from the catalog: H100, A100-80GB, V100, L4, cpu, ... "
-                                         "(default H100 with --gpus; without either: this machine's GPUs, or "
-                                         "--processes CPU processes)")
-    @argument("--memory", default=None, help="memory budget per device: 24GiB, '24 GiB', 24g (binary units), 24GB "
-                                             "(decimal), or a number of bytes (default: the device's)")
-    @argument("--headroom", default=None, metavar="FRACTION", help="share of each device's memory kept free for "
-                                                                  "the allocator, e.g. 5%% (default 10%% on a GPU, "
-                                                                  "none on the CPU)")
-    @argument("--batch", type=int, default=None, help="global batch: sequences per step (default 4 per device)")
-    @argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context, ≤ 1024)")
-    @argument("--dtype", default="bf16", help="training dtype for the plan: bf16, fp16 or fp32 (default bf16)")
-    @argument("--strategy", default=None, help='evaluate this plan instead of searching, e.g. "dp_shard=8 ac"')
-    @argument("--no-offload", dest="offload", action="store_false", default=True,
-              help="never move optimizer updates to the CPU (by default the plan offloads where that makes the "
-                   "model fit or the step faster)")
-    @argument("--offload", dest="offload", action="store_true", default=True,
-              help="let the plan move optimizer updates to the CPU (the default)")
+    @_planning_flags  # --gpus ... --top, the same flags as nbtrain plan's (nbtrain/plan_flags.py)
     @argument("--no-calibrate", dest="calibrate", action="store_false",
               help="plan for this machine without measuring it (its rates and communication; 20-50 s the first "
                    "time in a kernel): rough predictions from a generic CPU, and what earlier runs measured")
-    @argument("--top", type=int, default=3, help="plans to keep: the best and top − 1 alternatives (default 3)")
     @argument("-o", dest="output", metavar="NAME", help="store the Plan in this variable (like %%timeit -o)")
     @argument("-q", dest="quiet", action="store_true", help="print only the one-line summary")
     @argument("--launch", action="store_true", help="then train the model here under the plan, scaled to "
