@@ -9,7 +9,8 @@ Each is run as printed, except for the substitutions below, each of them listed 
 - ``SMALLER`` (in the test file): the smallest form of a long-running example that runs the same code path;
 - ``SHELL_FILES`` / ``SHELL_BEFORE`` / ``SHELL_ENV``: files and commands a shell example takes for granted, and where
   it writes outside its temporary folder; ``SHELL_SHOWS`` / ``SHELL_WRITES``: what its output and folder must hold;
-- ``SECTION_FIXTURES``: the names a README section's Python assumes (``batches``, ``MyModel``, ``fn``);
+- ``SECTION_FIXTURES``: the names a document section's Python assumes (``batches``, ``MyModel``, ``fn``), keyed
+  ``"document#section"``;
 - ``DOCSTRING_SETUP``: the names a docstring assumes, per docstring (``SHARED``: profiles and runs several of them
   use, made once), and ``IN_WORKERS``: docstrings that run in launched workers ("in every worker");
 - ``VARYING_NUMBERS``: docstrings whose shown output holds measurements of the machine: numbers match any number.
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "notebooks/README.md")
-# Sections whose examples another test runs: the README's error table (tests/test_error_table.py).
-EXCLUDED_SECTIONS = {"README.md": ("When something is wrong",)}
+# The README, the notebooks' README and every page under docs/ (a new page's examples are run without listing it).
+DOCUMENTS = ("README.md", "notebooks/README.md",
+             *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")))
+# Sections whose examples another test runs: the error table in docs/errors.md (tests/test_error_table.py).
+EXCLUDED_SECTIONS = {"docs/errors.md": ("When something is wrong",)}
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Substitutions: the tables are at the top of tests/test_documented_examples.py (VENV, SMALLER); applied here.
@@ -55,8 +58,13 @@ class Example:
     printed: str                    # as the document prints it
     source: str                     # as it runs (substitutions applied)
     substitutions: list[str] = field(default_factory=list)
-    section: str = ""               # python / cell: the README section (one namespace per section)
+    section: str = ""               # python / cell: the document's "## " section (one namespace per section)
     document: str = ""
+
+    @property
+    def section_key(self) -> str:
+        """``"document#section"``: what SECTION_FIXTURES is keyed by (two pages may have a section of one name)."""
+        return f"{self.document}#{self.section}"
 
     @property
     def id(self) -> str:
@@ -276,7 +284,8 @@ SHELL_WRITES = {"> plan.json": ["plan.json"], "--out run.ipynb": ["run.ipynb"], 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# README Python: what each section's code assumes (run first, in the section's namespace).
+# The documents' Python: what each section's code assumes (run first, in the section's namespace), by
+# "document#section".
 
 MY_MODEL = '''\
 import torch
@@ -316,11 +325,12 @@ LlamaForCausalLM(config).save_pretrained("llama-1b")       # "llama-1b/": a fold
 '''
 
 SECTION_FIXTURES = {
-    "In a notebook": "",
-    "Profile a model": MY_MODEL,
-    "Plan the parallelism": 'import nbtrain\nprof = nbtrain.profile("llama-7b", batch_size=1, seq_len=2048)'
-                            '   # "prof from nbtrain.profile(...)"\n',
-    "Run a plan": BATCHES + TINY_LLAMA + '''
+    "README.md#In a notebook": "",
+    "docs/profile.md#Profile a model": MY_MODEL,
+    "docs/profile.md#Describe the cluster": "import nbtrain\n",
+    "docs/plans.md#Plan the parallelism": 'import nbtrain\nprof = nbtrain.profile("llama-7b", batch_size=1, '
+                                          'seq_len=2048)   # "prof from nbtrain.profile(...)"\n',
+    "docs/running.md#Run a plan": BATCHES + TINY_LLAMA + '''
 import torch.distributed as dist
 
 
@@ -330,7 +340,8 @@ def fn(a, b):                            # "any function on N ranks"
 
 args = (1, 2)
 ''',
-    "Describe the cluster": "import nbtrain\n",
+    "docs/any-model.md#Any model": "",              # its block imports what it uses
+    "docs/switching.md#Variable-length data and hot switching": "import nbtrain\n",
 }
 
 

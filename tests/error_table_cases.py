@@ -1,4 +1,4 @@
-"""Files the README's error-table reproductions (tests/test_error_table.py) write into their working folder.
+"""Files the error table's reproductions (tests/test_error_table.py) write into their working folder.
 
 Each is what a user would have beside them when they make the mistake: a module of models (``mods.py``), training
 scripts for ``nbtrain run``, a module of loss functions (``fit_cases.py``). Line numbers matter where the message
@@ -66,7 +66,7 @@ def nan_from_step_2():
 
     return loss_fn
 '''
-assert FIT_CASES.splitlines()[10].strip() == "time.sleep(120)"  # line 11, as the README's row says
+assert FIT_CASES.splitlines()[10].strip() == "time.sleep(120)"  # line 11, as the row in docs/errors.md says
 
 FAILS = '''\
 import torch.distributed as dist

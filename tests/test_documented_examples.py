@@ -1,11 +1,12 @@
-"""Every example the documents show runs: README.md's and notebooks/README.md's shell commands, ``%%autoparallel``
-cells and Python, and every ``$ `` command and ``>>>`` example of a docstring under nbtrain/.
+"""Every example the documents show runs: the shell commands, ``%%autoparallel`` cells and Python of README.md,
+notebooks/README.md and the pages under docs/, and every ``$ `` command and ``>>>`` example of a docstring under
+nbtrain/.
 
 The examples are read from the documents at collection time (tests/documented_fixtures.py), one test per example,
 named ``document:line``. They run as printed, except for the substitutions in the two tables just below (each one
 that applies is named in the test id) and the names and files that the text around an example takes for granted,
-which tests/documented_fixtures.py supplies in plain view. The README's error table ("When something is wrong") is
-tested by tests/test_error_table.py.
+which tests/documented_fixtures.py supplies in plain view. The error table ("When something is wrong", in
+docs/errors.md) is tested by tests/test_error_table.py.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ VENV = {
 
 # Long-running examples in their smallest form that runs the same code path (a key matches as a whole word).
 SMALLER = {
-    # shell (README, notebooks/README, `$ ` lines of docstrings)
+    # shell (README, notebooks/README, docs/, `$ ` lines of docstrings)
     "-m pytest -q": "-m pytest -q tests/test_plan_format.py",  # the whole suite is CI itself; one quick file of it
     # a preset on fake tensors either way, 10 s → 3 s (llama-tiny's context is 256 tokens)
     "nbtrain profile llama-70b --batch 1 --seq 4096": "nbtrain profile llama-tiny --batch 1 --seq 256",
     "--steps 20": "--steps 2",
     "--processes 4 --steps 5": "--processes 4 --steps 2",
     "-p steps 20": "-p steps 2",
-    # Python (README blocks and docstrings)
+    # Python (the documents' blocks and docstrings)
     "steps=100": "steps=2",
     "steps=50": "steps=2",
     "steps=20": "steps=2",
@@ -88,8 +89,12 @@ def test_every_block_and_docstring_example_is_extracted():
         assert len(python[document]) == _fences(document, "python"), document
         bash_lines = sum(1 for e in SHELL for w in e.where if w.startswith(document + ":"))
         assert bash_lines >= _fences(document, "bash"), document  # at least one command per block
+    # none vanished: as many as the documents held when the README's reference moved into docs/ (10 shell commands
+    # in ```bash blocks, 10 ```python blocks), and the README keeps its two commands and its first notebook cell
+    documented_shell = [w for e in SHELL for w in e.where if w.split(":")[0] in fx.DOCUMENTS]
+    assert len(documented_shell) >= 10 and len(PYTHON) >= 10, (documented_shell, [e.id for e in PYTHON])
     readme_shell = [w for e in SHELL for w in e.where if w.startswith("README.md:")]
-    assert len(readme_shell) >= 6 and len(python["README.md"]) >= 7, (readme_shell, python["README.md"])
+    assert len(readme_shell) >= 2 and len(python["README.md"]) >= 2, (readme_shell, python["README.md"])
     cells = [e for e in PYTHON if e.kind == "cell"]
     assert any(e.source.startswith("%%autoparallel") for e in cells) and len(cells) >= 2
     assert len([w for e in SHELL for w in e.where if w.startswith("nbtrain/")]) >= 15
@@ -99,7 +104,8 @@ def test_every_block_and_docstring_example_is_extracted():
     # every table entry still names an example that exists (a renamed module would silently drop its setup)
     keys = {d.key for d in DOCSTRINGS}
     assert set(fx.DOCSTRING_SETUP) <= keys and set(fx.IN_WORKERS) <= keys and fx.VARYING_NUMBERS <= keys
-    assert set(fx.SECTION_FIXTURES) >= {e.section for e in PYTHON}
+    # every section with Python has its fixture, and every fixture a section (a renamed heading would drop it)
+    assert set(fx.SECTION_FIXTURES) == {e.section_key for e in PYTHON}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -155,7 +161,7 @@ def test_shell_example(example, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# README Python and %%autoparallel cells: one namespace (or IPython shell) per section, blocks in order.
+# The documents' Python and %%autoparallel cells: one namespace (or IPython shell) per section, blocks in order.
 
 _SECTIONS: dict[str, dict] = {}
 
@@ -184,7 +190,7 @@ def _run_block(example, state: dict) -> None:
 @pytest.mark.parametrize("example", [pytest.param(e, id=e.id, marks=_slow_if(bool(MULTIPROCESS.search(e.source))))
                                      for e in PYTHON])
 def test_readme_python(example, tmp_path_factory, monkeypatch):
-    key = f"{example.document}#{example.section}"
+    key = example.section_key
     blocks = _section_blocks(example)
     state = _SECTIONS.get(key)
     if state is None or state["failed"]:
@@ -196,10 +202,10 @@ def test_readme_python(example, tmp_path_factory, monkeypatch):
             # which multiprocessing's spawn then cannot read)
             for name in [n for n in shell.user_ns if n not in shell.user_ns_hidden and not n.startswith("_")]:
                 del shell.user_ns[name]
-            shell.run_cell(fx.SECTION_FIXTURES.get(example.section, ""))
+            shell.run_cell(fx.SECTION_FIXTURES[key])
         else:
             state["namespace"] = {"__name__": "__main__"}
-            exec(fx.SECTION_FIXTURES.get(example.section, ""), state["namespace"])
+            exec(fx.SECTION_FIXTURES[key], state["namespace"])
     monkeypatch.chdir(state["folder"])
     index = blocks.index(example)
     try:

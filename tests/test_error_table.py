@@ -1,18 +1,18 @@
-"""Every row of the README's error table ("When something is wrong") is reproduced here, the way a user would cause
-it, and what the run prints must be the row's message.
+"""Every row of the error table ("When something is wrong", in docs/errors.md) is reproduced here, the way a user
+would cause it, and what the run prints must be the row's message.
 
-The table is read from README.md at test time. Each row's message (the text between backticks in "what it says",
+The table is read from docs/errors.md at test time. Each row's message (the text between backticks in "what it says",
 markdown escapes undone) becomes a regex: everything literal, ``…`` any text. A row whose "where" names several
-places is reproduced in the first (the README shows that place's form): the CLI through ``nbtrain.cli.main`` (its
+places is reproduced in the first (the table shows that place's form): the CLI through ``nbtrain.cli.main`` (its
 last stderr line, exit status 2), ``%%autoparallel`` in IPython's own shell (the ``UsageError:`` line it prints),
 Python as the error's ``Type: message`` (what a notebook or traceback ends with; a ``WorkerError`` as its one-line
 ``summary``, without the rank's traceback). Where the cell says "the message, then `…`", the row is the end of what
 is printed. Where "where" names other places too, those print the same message in their own form
 (``test_the_other_places_named_print_the_same_message``, for the places that are cheap to reach).
 
-Reproductions run in one working folder holding the files the README names (``mods.py``, ``plan8.json``,
+Reproductions run in one working folder holding the files the table names (``mods.py``, ``plan8.json``,
 ``badplan.json``, ...); that folder stands for ``/`` in what they print, so a checkpoint folder ``runs/gpt`` there
-reads ``/runs/gpt`` as in the README.
+reads ``/runs/gpt`` as in the table.
 
 A row without a reproduction fails (a new row needs one), and so does a reproduction without a row.
 """
@@ -34,7 +34,7 @@ import torch
 
 from tests import error_table_cases as files
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"  # the page the error table is on
 HEADER = "| situation | where | what it says |"
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the row is what a machine without a GPU prints")
 TINY = ("import nbtrain\n"
@@ -69,7 +69,7 @@ def _cells(line: str) -> list[str]:
 
 
 def table_rows() -> list[Row]:
-    lines = README.read_text().splitlines()
+    lines = TABLE.read_text().splitlines()
     start = lines.index(HEADER)
     rows = []
     for line in lines[start + 2:]:  # after the header and its |---| line
@@ -359,7 +359,7 @@ case("`--data` rows the scaled plan cannot split", "magic")(
 
 @case("more processes than this machine allows", "CLI", NO_GPU)
 def _(e):
-    e.monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the README's machine
+    e.monkeypatch.setattr(os, "cpu_count", lambda: 2)  # the table's machine
     e.monkeypatch.delenv("NBTRAIN_MAX_PROCESSES", raising=False)
     return e.cli("run", "train.py", "--processes", "64")
 
@@ -573,7 +573,7 @@ def _gpt_forward():
 
 
 def _cpus(e, count: int = 2):
-    e.monkeypatch.setattr(os, "cpu_count", lambda: count)  # the README's machine
+    e.monkeypatch.setattr(os, "cpu_count", lambda: count)  # the table's machine
     e.monkeypatch.delenv("NBTRAIN_MAX_PROCESSES", raising=False)
 
 
@@ -674,7 +674,7 @@ Python's error type."""
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """The working folder, with what the README's rows name in it."""
+    """The working folder, with what the table's rows name in it."""
     from nbtrain.planner.plan import Plan
 
     root = tmp_path_factory.mktemp("errors").resolve()
@@ -713,8 +713,8 @@ def _params():
 
 
 @pytest.mark.parametrize("row,k", _params())
-def test_the_readme_row_is_what_a_run_prints(env, row, k):
-    assert k in CASES, f"README row {k!r} has no reproduction in tests/test_error_table.py"
+def test_the_table_row_is_what_a_run_prints(env, row, k):
+    assert k in CASES, f"docs/errors.md row {k!r} has no reproduction in tests/test_error_table.py"
     place, reproduce, _ = CASES[k]
     assert row.first_place == place, f"the row shows {row.first_place} first; its reproduction is in {place}"
     printed = reproduce(env)
@@ -728,7 +728,7 @@ def test_the_readme_row_is_what_a_run_prints(env, row, k):
         else:
             matched = re.fullmatch(pattern(message), text, re.S)
         if not matched:
-            pytest.fail(f"the README row is not what a run prints:\n  row: {message}\n  run: {text}", pytrace=False)
+            pytest.fail(f"the docs/errors.md row is not what a run prints:\n  row: {message}\n  run: {text}", pytrace=False)
 
 
 def test_every_reproduction_has_a_row():
@@ -758,11 +758,11 @@ def _other_params():
 
 @pytest.mark.parametrize("row,k,place,reproduce", _other_params())
 def test_the_other_places_named_print_the_same_message(env, row, k, place, reproduce):
-    assert row is not None, f"no README row {k!r}"
+    assert row is not None, f"no docs/errors.md row {k!r}"
     assert place in row.where and place != row.first_place, (place, row.where)
     (message, _), = row.messages
     body = re.sub("^(?:" + "|".join(FORM.values()) + ")", "", message)
     text = reproduce(env).replace(str(env.root), "")
     if not re.fullmatch(FORM[place] + pattern(body), text, re.S):
-        pytest.fail(f"{place} does not print the README row's message:\n  row: {message}\n  {place}: {text}",
+        pytest.fail(f"{place} does not print the docs/errors.md row's message:\n  row: {message}\n  {place}: {text}",
                     pytrace=False)

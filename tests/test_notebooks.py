@@ -182,7 +182,7 @@ def test_a_notebook_written_from_the_readme_alone_runs(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
     everything = "\n".join(text_of(c) for c in code)
-    assert "recommended:" in everything and "/24.00 GiB" in everything  # --memory 24GiB, as the README writes it
+    assert "recommended:" in everything and "/24.00 GiB" in everything  # --memory 24GiB, as docs/notebook.md writes it
     assert re.search(r"trained on 4 rows per step; losses \[[\d.]+, [\d.]+, [\d.]+\]", everything), everything
     assert "4 16 512.0 GiB" in text_of(code[-1])  # the cell with no model, and the line form, planned
 

@@ -186,7 +186,7 @@ def test_fit_in_a_script_under_nbtrain_run_ends_with_the_forked_runs_weights_on_
 
 @pytest.mark.slow
 def test_accelerate_launch_multi_gpu_with_accelerate_use_cpu_runs_two_cpu_ranks_of_one_group(tmp_path):
-    # the README's incantation; a port of our own, and no accelerate config of this machine's user (HF_HOME)
+    # docs/running.md's incantation; a port of our own, and no accelerate config of this machine's user (HF_HOME)
     out = tmp_path / "seen"
     done = command(BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
                    "--main_process_port", free_port(), SCRIPTS / "report_ranks.py", out,

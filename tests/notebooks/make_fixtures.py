@@ -37,15 +37,15 @@ for name, (why, cell) in CASES.items():
                       metadata={"kernelspec": KERNEL, "language_info": {"name": "python"}})
     nbformat.write(nb, f"tests/notebooks/{name}.ipynb")
 
-# A notebook written from the README alone, as a new user writes one: the magic with --memory in the units the
-# README shows, -o, --launch on their own --data, and a cell that plans a model built in an earlier cell.
+# A notebook written from the README alone (and the pages it links), as a new user writes one: the magic with
+# --memory in the units docs/notebook.md shows, -o, --launch on their own --data, and a cell that plans a model built in an earlier cell.
 README_USER = [
     "%load_ext nbtrain",
     "import torch\nimport nbtrain\nfrom transformers import GPT2Config, GPT2LMHeadModel",
     "%%autoparallel --gpus 8 --memory 24GiB --batch 16 --seq 512 -o plan\n"
     "model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=4, n_head=4, n_positions=512))",
     "print(plan)\nprint(plan.summary())",
-    "# a list of (ids, targets) global batches, as the README's --data says\n"
+    "# a list of (ids, targets) global batches, as docs/notebook.md's --data says\n"
     "g = torch.Generator().manual_seed(0)\n"
     "windows = [torch.randint(0, 256, (4, 33), generator=g) for _ in range(3)]\n"
     "batches = [(w[:, :-1], w[:, 1:]) for w in windows]",

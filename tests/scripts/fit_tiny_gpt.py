@@ -20,7 +20,7 @@ model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n
 initial = {k: v.clone() for k, v in model.state_dict().items()}
 window = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
 batches = [(window[:, :-1], window[:, 1:])]
-# as the README writes it: no num_processes (the plan's 2 devices; under torchrun, its WORLD_SIZE of 2)
+# as docs/running.md writes it: no num_processes (the plan's 2 devices; under torchrun, its WORLD_SIZE of 2)
 result = nbtrain.fit(model, batches, plan="dp_shard=2", steps=2, progress=False)
 torch.save({"initial": initial, "state": model.state_dict(), "model_class": type(model).__name__,
             "losses": result.losses, "steps": [r.step for r in result.records], "plan": str(result.plan),
