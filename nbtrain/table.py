@@ -14,13 +14,14 @@ import html
 from dataclasses import dataclass, field
 
 TABLE_CSS = (
-    ".nbtrain-table{border-collapse:collapse;margin:0.4em 0;font-variant-numeric:tabular-nums;border:none}"
-    ".nbtrain-table caption{text-align:left;font-weight:600;padding:0 0 0.3em 0}"
-    ".nbtrain-table th,.nbtrain-table td{padding:0.25em 0.8em;border:none;vertical-align:top}"
-    ".nbtrain-table th{white-space:nowrap;font-weight:600;border-bottom:1px solid currentColor}"
-    ".nbtrain-table td.r{white-space:nowrap}"
-    ".nbtrain-table tbody tr:nth-child(even){background:rgba(127,127,127,0.09)}"
-    ".nbtrain-table tr.rule td{border-top:1px solid rgba(127,127,127,0.6)}"
+    "table.nbtrain-table{table-layout:auto;border-collapse:collapse;margin:0.4em 0;border:none;"
+    "font-variant-numeric:tabular-nums}"
+    "table.nbtrain-table caption{text-align:left;font-weight:600;padding:0 0 0.3em 0}"
+    "table.nbtrain-table th,table.nbtrain-table td{padding:0.25em 0.8em;border:none;vertical-align:top}"
+    "table.nbtrain-table th{white-space:nowrap;font-weight:600;border-bottom:1px solid currentColor}"
+    "table.nbtrain-table td.r{white-space:nowrap}"
+    "table.nbtrain-table tbody tr:nth-child(even){background:rgba(127,127,127,0.09)}"
+    "table.nbtrain-table tr.rule td{border-top:1px solid rgba(127,127,127,0.6)}"
     ".nbtrain-notes{font-size:90%;margin:0.2em 0 0.6em 0}"
 )
 """How every nbtrain table looks in HTML, wherever it is shown: a static output, the plan explorer's widgets (which
