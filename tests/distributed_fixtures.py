@@ -1,7 +1,8 @@
 """Run a few plans in real gloo worker processes and in one process, on the same seed and data.
 
-Workers are spawned (not forked) so the test process's threads cannot deadlock them, and each runs several plans
-in one process group, so the ~5 s of ``import torch`` per process is paid once per group of tests.
+Workers are forked, as nbtrain's own launch forks its workers: each sets one intra-op thread before any torch work,
+so the parent's thread pool is never waited on, and nothing is imported again (a spawned group of 4 paid ~6 s of
+``import torch, transformers`` on 2 cores, half of these tests' time). Each runs several plans in one process group.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def reference_losses(build, clip_norm: float | None = None) -> list[float]:
 
 @contextlib.contextmanager
 def gloo_worker(rank: int, world: int, port: int, queue):
-    """The life of a spawned worker: one intra-op thread, the gloo group formed, and ``report(payload)`` to answer
+    """The life of a worker: one intra-op thread, the gloo group formed, and ``report(payload)`` to answer
     (``(rank, "ok", payload)`` on the queue, then a barrier so no rank leaves while a peer still talks); an
     exception in the body goes on the queue as ``(rank, "error", traceback)`` instead; the group is destroyed."""
     torch.set_num_threads(1)
@@ -128,13 +129,15 @@ def _worker(rank, world, port, build, plans, clip_norm, split_logits, queue):
 
 
 def spawn_group(worker, world: int, *args, timeout: float = 300):
-    """Spawn ``world`` gloo workers ``worker(rank, world, port, *args, queue)``, each putting ``(rank, "ok",
+    """Start ``world`` gloo workers (forked) ``worker(rank, world, port, *args, queue)``, each putting ``(rank, "ok",
     payload)`` or ``(rank, "error", traceback)`` on the queue; returns rank 0's payload, or fails with the first
     worker's traceback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # forked, as nbtrain's own workers are (one intra-op thread each, set first in gloo_worker): a spawned worker
+    # imports torch and transformers again, ~6 s for a group of 4 on 2 cores, which was half of these tests' time
+    ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue), daemon=True) for r in range(world)]
     for p in procs:
@@ -155,13 +158,13 @@ def spawn_group(worker, world: int, *args, timeout: float = 300):
 
 def distributed_losses(build, plans: list[str], world: int, clip_norm: float | None = None,
                        timeout: float = 300, split_logits: bool = False) -> dict:
-    """``{plan: [loss per step]}`` from rank 0 of ``world`` spawned gloo processes (``split_logits``: a
+    """``{plan: [loss per step]}`` from rank 0 of ``world`` gloo processes (``split_logits``: a
     tensor-parallel head keeps its logits split for the vocabulary-parallel loss, as ``fit`` runs nbtrain's own)."""
     return spawn_group(_worker, world, build, plans, clip_norm, split_logits, timeout=timeout)
 
 
 def assert_trains_like_one_process(build, plans: list[str], world: int) -> list[float]:
-    """Each of ``plans`` on ``world`` spawned gloo processes gives one process's losses step by step (relative
+    """Each of ``plans`` on ``world`` gloo processes gives one process's losses step by step (relative
     1e-4); returns the one process's losses."""
     import pytest
 
@@ -174,7 +177,7 @@ def assert_trains_like_one_process(build, plans: list[str], world: int) -> list[
 
 def losses_by_world(build, plans: dict[int, list[str]]) -> dict:
     """``{"reference": [loss per step] of one process, world: {plan: [loss per step]}}`` for each world size's
-    plans, run in that many spawned gloo processes."""
+    plans, run in that many gloo processes."""
     return {"reference": reference_losses(build),
             **{world: distributed_losses(build, listed, world=world) for world, listed in plans.items()}}
 

@@ -57,9 +57,9 @@ class PlanExplorer:
 
         >>> ex = PlanExplorer(prof, num_devices=8, device="A100-40GB", memory="24GiB", global_batch=32)
         >>> ex                                           # the last expression of a cell shows the widget
-        >>> ex.controls["devices"].value = 16            # a choice from a list replans at once
+        >>> ex.controls["devices"].value = 4             # a choice from a list replans at once
         >>> ex.plan.num_devices, ex.error
-        (16, None)
+        (4, None)
         >>> ex.controls["memory"].value = "40GiB"        # typed: replans once typing pauses (debounce_s)
         >>> ex.settle().predicted.budget_bytes / 2**30
         40.0
