@@ -117,3 +117,26 @@ def test_gpt2_shaped_gpt_computes_the_same_logits_as_transformers_gpt2():
     ids = torch.randint(0, 97, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids, use_cache=False).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_training_mode_is_set_as_torch_defines_it_without_a_librarys_own_train_on_top():
+    """transformers ≥ 5.25 re-kernelizes a from_pretrained model inside its train(), which fails on the meta device
+    (where nbtrain's workers first hold a big model) and swaps in Hub kernels; nbtrain sets the flags torch sets."""
+    from torch import nn
+
+    from nbtrain.models.adapters import set_training
+
+    class KernelizesOnTrain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(2, 2, device="meta"), nn.Dropout(0.1))
+
+        def train(self, mode: bool = True):
+            raise ValueError("Unsupported device type 'meta'")
+
+    model = KernelizesOnTrain()
+    for module in model.modules():
+        module.training = False  # as from_pretrained hands it over: in eval mode
+    assert set_training(model) is model
+    assert all(module.training for module in model.modules())
+    assert not any(module.training for module in set_training(model, False).modules())

@@ -145,3 +145,18 @@ def detect_family(model: nn.Module) -> ModelFamily:
     vocab = embedding.num_embeddings if embedding is not None else None
     note = "" if path else "no list of repeated blocks found: profiled as one layer"
     return ModelFamily("generic", path, vocab_size=vocab, note=note)
+
+
+def set_training(model: nn.Module, mode: bool = True) -> nn.Module:
+    """``model.train(mode)`` as torch defines it, every module's ``training`` flag, without a library's own
+    ``train()`` on top: transformers ≥ 5.25 re-kernelizes a ``from_pretrained`` model there, swapping in Hugging Face
+    Hub kernels for the device it finds, which fails on a model still on the meta device, downloads on a GPU, and
+    changes the code a plan must run exactly as one process does.
+
+        >>> from nbtrain.models import build_preset
+        >>> set_training(build_preset("gpt-tiny")).training
+        True
+    """
+    for module in model.modules():
+        module.training = mode
+    return model

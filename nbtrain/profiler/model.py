@@ -26,7 +26,7 @@ from torch import nn
 
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
-from nbtrain.models.adapters import ModelFamily, detect_family
+from nbtrain.models.adapters import ModelFamily, detect_family, set_training
 from nbtrain.models.description import describe, planner_facts, slot_module
 from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
@@ -225,7 +225,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                 experts=moe.experts if moe is not None else 0)
 
     was_training = model.training
-    model.train()  # profile training: dropout masks and the like are saved as in a real step
+    set_training(model)  # profile training: dropout masks and the like are saved as in a real step
     try:
         asked = _count_or_explain(step, batch_size, seq_len, hint)
         fits = _fit(step, asked, batch_size, seq_len)

@@ -25,6 +25,7 @@ from nbtrain.planner.plan import Plan
 from nbtrain.run.parallel.traced_stages import example_microbatch
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.trainer import StepRecord, progress_bar
+from nbtrain.models.adapters import set_training
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     # model (read, never copied whole), or by the model's own initialisation when it was built on meta
     values = Initialize(run.seed, run.init_fn) if has_meta(model) else FromModel(model)
     model = meta_twin(model)  # in this process too: the caller's model stays as it was
-    model.train()  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
+    set_training(model)  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
     example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None

@@ -34,6 +34,7 @@ from torch import nn
 
 from nbtrain.profiler.model import lm_loss
 from nbtrain.table import Table
+from nbtrain.models.adapters import set_training
 
 LOSS_RTOL = 1e-4
 WEIGHT_RTOL = 1e-2
@@ -197,7 +198,7 @@ def _random_source(model: nn.Module, ids) -> str | None:
     they were."""
     from nbtrain.profiler.trace import call_model
 
-    probe = copy.deepcopy(model).train()
+    probe = set_training(copy.deepcopy(model))
     names = {id(m): name for name, m in probe.named_modules()}
     runs = []
 
@@ -276,7 +277,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
         raise InvalidArgumentError("data given without loss_fn: give the loss that takes the model's output and the "
                                    "batches' targets (--loss module:attr)")
     loss_fn = loss_fn or lm_loss
-    reference_model = copy.deepcopy(source).float().train()
+    reference_model = set_training(copy.deepcopy(source).float())
     if weights is not None:  # whole, in this process (no group): the parallel run reads its shards itself
         from nbtrain.run.state.pretrained import load_weights, resolve_weights
 

@@ -26,6 +26,7 @@ from nbtrain.data import length_batches
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.placement import peak_memory
 from nbtrain.run.trainer import StepRecord, progress_bar
+from nbtrain.models.adapters import set_training
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
     from nbtrain.run.switching.hot import HotSwitching
 
     torch.manual_seed(job.seed)
-    model.train()
+    set_training(model)
     mine = layer_prefixes(model)
     # each layout is a meta twin of the model, filled from it (or initialised, for a model built on meta)
     values = Initialize(job.seed) if has_meta(model) else FromModel(model)
