@@ -126,7 +126,7 @@ def positive_count(flag: str):
 
     def read(text: str) -> int:
         try:
-            value = int(_unquoted(text))
+            value = int(unquoted(text))
         except ValueError:
             value = 0
         if value < 1:
@@ -141,7 +141,7 @@ def one_of(flag: str, names: tuple[str, ...]):
     it may be (``--dtype fp8: use bf16, fp16 or fp32``)."""
 
     def read(text: str) -> str:
-        value = _unquoted(text)
+        value = unquoted(text)
         if value not in names:
             raise _refused(f"{flag} {text}: use {', '.join(names[:-1])} or {names[-1]}")
         return value
@@ -156,7 +156,7 @@ def _refused(message: str) -> argparse.ArgumentError:
     return argparse.ArgumentError(None, message)
 
 
-def _unquoted(text: str) -> str:
+def unquoted(text: str) -> str:
     """IPython splits a magic's line without removing quotes: ``--dtype "fp32"`` arrives as ``'"fp32"'``."""
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]

@@ -22,7 +22,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from nbtrain.errors import NbtrainError, WorkerError
-from nbtrain.plan_flags import AUTOPARALLEL, planning_flags
+from nbtrain.plan_flags import AUTOPARALLEL, planning_flags, unquoted
 from nbtrain.units import decimal_note
 
 
@@ -256,8 +256,8 @@ def _local_devices() -> int:
 def _unquoted(args):
     """IPython splits the line without removing quotes: ``--strategy "dp_shard=2 ac"`` arrives quoted."""
     for key, value in vars(args).items():
-        if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            setattr(args, key, value[1:-1])
+        if isinstance(value, str):
+            setattr(args, key, unquoted(value))
     return args
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 
 from nbtrain.notebook.plots import CATEGORIES, COLORS
+from nbtrain.planner.report import compared_plans, executor_cannot_run
 from nbtrain.table import TABLE_CSS
 from nbtrain.units import format_bytes, format_seconds
 
@@ -82,15 +83,6 @@ def strategy_label(plan, width: int = 40) -> str:
     return f"{head}mostly {common} …"
 
 
-def compared_plans(recommended, baselines, label: str = "recommended") -> list[tuple[str, object, str]]:
-    """``(name, plan or None, why)`` for the recommended plan, its alternatives and the baselines, in the
-    comparison table's order; ``why`` is the baseline's note where it has no plan."""
-    rows = [(label, recommended, "")]
-    rows += [(f"alternative {i + 1}", alt, "") for i, alt in enumerate(recommended.alternatives)]
-    rows += [(b.name, b.plan, b.note if b.plan is None else "") for b in baselines]
-    return rows
-
-
 def step_time_chart_html(recommended, baselines, label: str = "recommended") -> str:
     """The compared plans as horizontal bars of predicted step time (shorter is faster), the numbers beside each bar:
     solid where the plan fits, hatched where it does not, no bar where it cannot run on this model."""
@@ -100,7 +92,7 @@ def step_time_chart_html(recommended, baselines, label: str = "recommended") -> 
     out, footnotes = [], []
     for i, (name, plan, why) in enumerate(rows):
         if plan is None:
-            said = "cannot run on this model" if "executor" in why else "does not apply"
+            said = "cannot run on this model" if executor_cannot_run(why) else "does not apply"
             out.append(f'<tr title="{html.escape(why)}"><td class="name">{html.escape(name)}</td><td class="strategy">'
                        f'</td><td class="track"></td><td class="num nbtrain-muted">{said}</td></tr>')
             if why:

@@ -104,19 +104,32 @@ def reserve_line(pred) -> str:
             "(nbtrain.planner.reserve.reserve_parts cites the figures)")
 
 
+def compared_plans(recommended: Plan, baselines, label: str = "recommended") -> list[tuple[str, Plan | None, str]]:
+    """``(name, plan or None, why)`` for the recommended plan, its alternatives and the baselines, in that order;
+    ``why`` is a baseline's note where it has no plan. The comparison table and the notebook's chart show these."""
+    rows = [(label, recommended, "")]
+    rows += [(f"alternative {i + 1}", alt, "") for i, alt in enumerate(recommended.alternatives)]
+    rows += [(b.name, b.plan, b.note if b.plan is None else "") for b in baselines]
+    return rows
+
+
+def executor_cannot_run(why: str) -> bool:
+    """Whether a baseline without a plan has none because nbtrain's executor cannot run it on this model (its note
+    says so), rather than because it does not apply to the cluster."""
+    return "executor" in why
+
+
 def comparison_table(recommended: Plan, baselines, label: str = "recommended") -> Table:
     """The recommended plan (``label="your plan"``: the one the user typed), its alternatives and the uniform
     baselines, with time, memory, and each step time relative to the first row's."""
     ratio = f"× {label}'s time"
     table = Table(["plan", "strategy", "step time", "memory/device", "fits", ratio], align="llrrlr")
     best = recommended.predicted.step_time_s
-    rows = [(label, recommended)] + [(f"alternative {i + 1}", alt) for i, alt in enumerate(recommended.alternatives)]
-    rows += [(b.name, b.plan) for b in baselines]
-    why = {b.name: b.note for b in baselines if b.plan is None and b.note}
-    for name, p in rows:
+    rows = compared_plans(recommended, baselines, label)
+    why = {name: reason for name, p, reason in rows if p is None and reason}
+    for name, p, reason in rows:
         if p is None:
-            table.add(name, "cannot run here" if name in why and "executor" in why[name] else "does not apply",
-                      "", "", "", "")
+            table.add(name, "cannot run here" if executor_cannot_run(reason) else "does not apply", "", "", "", "")
             continue
         pred = p.predicted
         speedup = f"{pred.step_time_s / best:.2f}×" if pred.fits else ""
