@@ -296,3 +296,12 @@ class LastToFirstLM(PlainLM):
 def last_to_first_lm():
     torch.manual_seed(0)
     return LastToFirstLM()
+
+
+def qwen3():
+    """A transformers Qwen3 of its default config apart from the sizes: a norm on each head's queries and keys
+    (``q_norm``/``k_norm``, which its tensor-parallel plan runs per rank's heads: ``replicated_with_grad_allreduce``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=8))

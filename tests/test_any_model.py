@@ -1,5 +1,5 @@
 """Models nbtrain did not write train under every plan kind exactly as in one process: transformers Mistral, Qwen2,
-Phi-3 (fused projections), a BERT masked LM (tied decoder, dict batches), a ViT image classifier, a T5
+Qwen3 (a norm on each head), Phi-3 (fused projections), a BERT masked LM (tied decoder, dict batches), a ViT image classifier, a T5
 encoder-decoder, and a plain-torch CNN, each built from a default config in tests/any_models.py (no downloads).
 
 What the executor knows of each comes from one description (nbtrain.models.description): the layers the profiler
@@ -58,6 +58,19 @@ def test_a_transformers_phi3_with_fused_qkv_and_gate_up_trains_like_one_process(
                                   "dp_replicate=2 offload=1", "0: dp_shard=2; 1-2: dp_replicate=2 ac; 3: dp_shard=2"])
 def test_a_transformers_qwen2_trains_like_one_process(plan):
     _check("qwen2", plan)
+
+
+@pytest.mark.parametrize("plan", ["tp=2", "tp=2 sp", "tp=2 offload=1"])
+def test_a_transformers_qwen3_with_a_norm_on_each_heads_queries_and_keys_trains_like_one_process(plan):
+    # its own plan runs q_norm and k_norm on each rank's heads ("replicated_with_grad_allreduce"): their gradients,
+    # each rank's over its own heads, must be summed, or the ranks' norms part after the first update
+    _check("qwen3", plan)
+
+
+def test_a_transformers_qwen3_sharded_and_tensor_parallel_on_four_processes_trains_like_one_process():
+    report = verify("tests.any_models:qwen3", "dp_shard=2 tp=2", processes=4, steps=5, batch=4, seq=16, timeout=240)
+    assert report.ok, str(report)
+    assert max(report.loss_differences) <= 1e-4
 
 
 @pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "tp=2", "pp=2 mb=2",

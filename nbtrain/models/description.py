@@ -27,14 +27,13 @@ knows, active dropout, a module it does not know to run token by token) has a re
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import ModelFamily, detect_family
-from nbtrain.models.tensor_parallel import (check_style, matched_plan, split_dimension, unknown_styles,
+from nbtrain.models.tensor_parallel import (HEAD_NORM, check_style, matched_plan, unknown_styles,
                                              unknown_styles_reason)
 
 Slot = tuple[nn.Module, str]
@@ -322,7 +321,7 @@ def sequence_roles(block: nn.Module, name: str, split: list[tuple[str, str]]) ->
             return [], (f"{name}.{n} is dropout with p={module.p:g}: on its part of the sequence each rank would "
                         "draw its own mask, unlike one process; set the model's dropout to 0 (e.g. config "
                         "resid_pdrop=0.0)")
-    odd = sorted({style for _, style in split} - {"colwise", "rowwise"})
+    odd = sorted({style for _, style in split} - {"colwise", "rowwise", HEAD_NORM})  # a head's norm runs between
     if odd:
         return [], (f"{kind} is split by the TP style(s) {', '.join(odd)}; nbtrain runs sequence parallelism on "
                     "blocks split colwise → rowwise only")
@@ -349,39 +348,6 @@ def sequence_roles(block: nn.Module, name: str, split: list[tuple[str, str]]) ->
     if missing:
         return [], f"{kind} has no {' and no '.join(missing)} to run sequence-parallel"
     return roles + [(n, "rowwise_sequence_output") for n in rowwise], ""
-
-
-COMMUNICATING = ("rowwise", "rowwise_split_input", "embedding_rowwise", "colwise_gather_output")
-"""Tensor-parallel styles whose forward ends in a collective (an all-reduce of partial sums, or a gather)."""
-
-
-def planner_facts(description: ModelDescription) -> dict:
-    """What the planner must know of the executor's reach on this model, kept in the profile's ``arch``:
-    ``no_tensor_parallel`` / ``no_pipeline`` / ``no_sequence_parallel`` (why not, the latter naming the first block
-    it fails on; empty: it can), ``cuts_stages``, ``traced_stages`` (its
-    stages are traced graphs, which run without tensor parallelism), ``splits_tied``, and
-    ``tp_pairs`` (per layer, the styles that sum or gather in forward: the collectives TP issues each way),
-    ``tp_gathers_output`` (layers whose output is gathered whole: an LM head), and
-    ``tp_unit``, a number every tensor-parallel degree must divide (the split features, the heads when they are
-    split; 0: no limit)."""
-    sizes = []
-    for layer, entries in enumerate(description.tensor_parallel):
-        for name, style in entries:
-            if style in ("colwise", "rowwise", "packed_colwise"):
-                sizes.append(split_dimension(description.module(name), style)[1])
-        if 0 < layer < len(description.layers) - 1 and description.splits_heads(layer):
-            sizes += [n for n in (description.family.n_head, description.family.n_kv_head) if n]
-    no_sp = next((f"layer {i}: {why}" for i, why in enumerate(description.no_sequence_parallel) if why), "")
-    return {"no_tensor_parallel": description.no_tensor_parallel, "no_pipeline": description.no_pipeline,
-            "no_sequence_parallel": no_sp,
-            "no_offload": description.no_offload,
-            "cuts_stages": bool(description.stages), "traced_stages": description.stages == "traced",
-            "splits_tied": description.splits_tied,
-            "tp_unit": math.gcd(*sizes) if sizes else 0,
-            "tp_pairs": [max(1, sum(style in COMMUNICATING for _, style in entries)) if entries else 0
-                         for entries in description.tensor_parallel],
-            "tp_gathers_output": [i for i, entries in enumerate(description.tensor_parallel)
-                                  if any(style == "colwise_gather_output" for _, style in entries)]}
 
 
 def described(model: nn.Module) -> ModelDescription:

@@ -22,6 +22,9 @@ by output features, the second by input features, one all-reduce per pair):
                             ``nn.Embedding``: the vocabulary split, each rank looks up its rows, the parts summed
 ``packed_colwise``          on a fused ``Conv1D`` (GPT-2's ``c_attn``, output = parts × input features): each
                             part (q | k | v) split on its own
+``replicated_with_grad_``   a norm of each head's features between a colwise projection and the attention (Qwen3's
+``allreduce``               and Gemma 3's ``q_norm``/``k_norm``): its weight replicated, run on this rank's heads,
+                            its gradient the sum of the ranks' (:class:`HeadNorm`)
 ==========================  ==========================================================================================
 
 ``colwise`` and ``rowwise`` on a ``transformers`` ``Conv1D`` (GPT-2's linear layers, whose weight is the transpose
@@ -46,14 +49,15 @@ from __future__ import annotations
 import re
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
 from nbtrain.errors import InvalidPlanError
 
+HEAD_NORM = "replicated_with_grad_allreduce"
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-          "packed_colwise")
+          "packed_colwise", HEAD_NORM)
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -125,6 +129,11 @@ def split_dimension(module: nn.Module, style: str) -> tuple[str, int]:
 
 def style_for(module: nn.Module, style: str) -> ParallelStyle:
     """The torch ``ParallelStyle`` that splits ``module`` as ``style`` says (the table in this module's docstring)."""
+    if style == HEAD_NORM:
+        if any(p.dim() != 1 for p in module.parameters()):
+            raise InvalidPlanError(f"tensor-parallel style {style!r} applies to a norm (one-dimensional weights), "
+                                   f"not a {type(module).__name__}")
+        return HeadNorm()
     if is_conv1d(module):
         from nbtrain.models.conv1d import Conv1DColwise, Conv1DRowwise
 
@@ -152,6 +161,8 @@ def check_style(name: str, module: nn.Module, style: str, tp: int) -> str:
         style_for(module, style)
     except InvalidPlanError as error:
         return f"{name}: {error}"
+    if style == HEAD_NORM:  # it runs on the heads the colwise projection before it left this rank
+        return ""
     what, size = split_dimension(module, style)
     if style in ("colwise", "rowwise", "packed_colwise") and size % tp:  # the others gather: uneven parts are fine
         return f"{name} ({style}) has {size} {what}, which do not split into {tp} equal parts; use a tp that " \
@@ -193,3 +204,26 @@ def sequence_style(role: str) -> ParallelStyle:
     if role.startswith("gather_input:"):
         return GatherSequenceInput(role.split(":", 1)[1])
     raise InvalidPlanError(f"sequence-parallel role {role!r} is not one nbtrain runs")
+
+
+class HeadNorm(SequenceParallel):
+    """transformers' ``replicated_with_grad_allreduce``, as torch's ``SequenceParallel`` runs a norm on a part of the
+    sequence, on a part of the heads instead: the input ``(..., heads, head_dim)`` holds this rank's heads (dim −2,
+    left so by the colwise projection before it), the weight is replicated, and each rank's gradient of it, a sum
+    over its own heads only, is a ``Partial`` DTensor that is summed over the ranks before the update, as a
+    sequence-parallel norm's is.
+
+        >>> HeadNorm()
+        HeadNorm(sequence_dim=-2, use_local_output=True)
+    """
+
+    def __init__(self):
+        super().__init__(sequence_dim=-2, use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        heads = inputs[0]
+        if isinstance(heads, DTensor):
+            raise InvalidPlanError(f"a {type(mod).__name__} split per head got a DTensor: the projection before it "
+                                   "must leave its heads local (colwise)")
+        return DTensor.from_local(heads, device_mesh, (Shard(heads.dim() - 2),), run_check=False)

@@ -27,7 +27,8 @@ from torch import nn
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family, set_training
-from nbtrain.models.description import describe, planner_facts, slot_module
+from nbtrain.models.description import describe, slot_module
+from nbtrain.models.planner_facts import planner_facts
 from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.routing import why_not_traced
