@@ -347,6 +347,28 @@ def test_with_equal_stages_the_bubble_is_gpipes_p_minus_1_over_m_plus_p_minus_1(
     assert model.estimate(plan(*[S(dp_replicate=4)] * 6, devices=4, global_batch=8)).time.bubble == 0
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_pipeline_stages_update_once_a_step_side_by_side_after_the_pipeline_drains(m):
+    # two equal stages on two CPU "devices" (where the device's own update is priced), m micro-batches of one
+    # sequence (100 tokens): a stage computes 3e7 FLOPs/token · 100 / 1e12 = 3 ms a micro-batch, and updates its
+    # block's 4M fp32 parameters once a step at 8e9 / 2 devices = 4e9 params/s: 1 ms, both stages at once.
+    # Equal stages fill pp + m − 1 micro-batch slots (Huang et al. 2019), then update: 3 ms · (m + 1) + 1 ms
+    # (the update paid once, not once per slot of its stage: (pp + m − 1) / m times)
+    blocks = [layer(f"blocks.{i}", "block", params=4e6, act=1e3, out=0, fwd=1e7) for i in range(2)]
+    ends = [layer("embed", "embedding", params=0, act=0, out=0, fwd=0), layer("head", "head", params=0, act=0,
+                                                                               out=0, fwd=0)]
+    equal = profile([ends[0], *blocks, ends[1]], dtype="float32")
+    model = CostModel(equal, cluster(2, 2, device="cpu"), global_batch=m,
+                      options=CostOptions(headroom=0, reserve_bytes=0, clip=False))
+    pipelined = model.estimate(plan(*[S()] * 4, devices=2, pp=2, microbatches=m, stages=(2, 2), global_batch=m))
+    assert pipelined.step_time_s == pytest.approx(3e-3 * (m + 1) + 1e-3, rel=EXACT)
+    # by category, as a stage's device spends the step: m micro-batches, the update once, idle for the rest
+    assert pipelined.time.update == pytest.approx(1e-3, rel=EXACT)
+    assert pipelined.time.compute == pytest.approx(3e-3 * m, rel=EXACT)
+    assert pipelined.time.bubble == pytest.approx(3e-3, rel=EXACT)
+    assert pipelined.time.total == pytest.approx(pipelined.step_time_s, rel=EXACT)
+
+
 def test_a_plan_of_one_layout_pays_no_relayout_and_a_layout_change_moves_the_hidden_state_both_ways():
     model = cost_model()
     one_layout = plan(S(dp_shard=8), S(dp_replicate=8), S(dp_shard=8, zero=2), S(dp_shard=8, ac=True, offload=1.0),

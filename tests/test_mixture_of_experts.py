@@ -2,8 +2,9 @@
 (shrunk) and a plain-torch MoE written the way people write one (a router, a ModuleList of expert MLPs, top-k, and
 ``torch.where`` picking each expert's tokens). Each profiles with its experts' FLOPs and total and active
 parameters, plans, and trains under every data-parallel plan kind, checkpointing and pipelines exactly like one
-process. A model whose own tensor-parallel plan names a style nbtrain does not run (transformers' MoE plans name
-``moe_tp_experts``) is planned and trained without TP on its blocks, and the planner says why."""
+process. A model whose own tensor-parallel plan names a style nbtrain does not run (transformers' MoE plans up to
+5.24 name ``moe_tp_experts``) is planned and trained without TP on its blocks, and the planner says why; 5.25's plans
+split only the attention and keep the experts whole on every rank, which trains and is priced so."""
 
 from __future__ import annotations
 
@@ -133,9 +134,21 @@ def test_routing_that_depends_on_the_data_is_counted_at_the_expected_load_and_sa
 
 # ---- plan ------------------------------------------------------------------------------------------------------
 
+EXPERTS_SPLIT = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+                 "layers.*.mlp.experts": "moe_tp_experts"}
+"""The experts' part of Mixtral's and Qwen3-MoE's own tensor-parallel plans up to transformers 5.24: a style
+(``moe_tp_experts``) nbtrain does not run. 5.25 ships plans without it (:data:`ATTENTION_ONLY`)."""
+
+ATTENTION_ONLY = {f"model.layers.*.self_attn.{name}": style for name, style in
+                  (("q_proj", "colwise"), ("k_proj", "colwise"), ("v_proj", "colwise"), ("o_proj", "rowwise"))}
+"""Mixtral's own plan from transformers 5.25: the attention split, the experts and the router whole on every rank."""
+
+
 @pytest.mark.parametrize("build", [mixtral, qwen3_moe], ids=["mixtral", "qwen3-moe"])
 def test_a_tp_plan_with_a_style_nbtrain_does_not_run_leaves_tp_out_and_the_planner_says_why(build):
-    prof = nbtrain.profile(build(), batch_size=2, seq_len=16)
+    model = build()
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, **EXPERTS_SPLIT}  # as 5.24 ships it
+    prof = nbtrain.profile(model, batch_size=2, seq_len=16)
     cluster = nbtrain.Cluster.from_catalog("H100", num_devices=2)
     best = nbtrain.plan(prof, cluster, global_batch=4, seq_len=16)
     assert all(s.tp == 1 for s in best.layers)
@@ -143,6 +156,36 @@ def test_a_tp_plan_with_a_style_nbtrain_does_not_run_leaves_tp_out_and_the_plann
     assert "'moe_tp_experts'" in note and "mlp.experts" in note
     with pytest.raises(InvalidPlanError, match="moe_tp_experts"):
         estimate(Plan.parse("tp=2", num_devices=2, num_layers=len(prof.layers), global_batch=4), prof, cluster)
+
+
+def test_a_plan_that_splits_only_the_attention_keeps_the_experts_whole_on_every_rank():
+    """transformers 5.25's Mixtral plan: each TP rank holds half the attention and all the experts and router, and
+    computes all of its tokens' experts; the planner prices the block so."""
+    from nbtrain.planner.cost import CostModel
+    from nbtrain.planner.strategy import Strategy
+
+    b, s, d, i, heads, kv = 2, 16, SMALL["hidden_size"], SMALL["intermediate_size"], 4, 2
+    prof = nbtrain.profile(mixtral(), batch_size=b, seq_len=s, dtype="fp32", tp_plan=ATTENTION_ONLY)
+    head_dim = d // heads
+    attention = d * heads * head_dim * 2 + d * kv * head_dim * 2  # q and o, k and v (Mixtral's have no bias)
+    block = prof.layers[1].params
+    # on a catalog CPU: compute is FLOPs over the rate, no GPU kernel's launch floor under a model this small
+    model = CostModel(prof, nbtrain.Cluster.from_catalog("cpu", num_devices=2), global_batch=b, seq_len=s)
+    split, alone = (model.layer(1, Strategy(tp=tp), 1) for tp in (2, 1))  # b sequences either way
+    assert split.memory.params == pytest.approx(4 * (block - attention / 2), rel=1e-9)  # fp32: 4 bytes a parameter
+    # the experts' FLOPs (k = 2 experts a token, 6·d·i each forward) run whole on both ranks, the attention's half
+    experts = b * s * 2 * 6 * d * i / prof.layers[1].flops_fwd
+    assert 0.5 < experts < 1
+    assert split.time.compute == pytest.approx(alone.time.compute * (experts + (1 - experts) / 2), rel=1e-6)
+
+
+def test_a_mixtral_whose_plan_splits_only_the_attention_trains_like_one_process():
+    from nbtrain.run.verify import verify
+
+    report = verify("tests.any_models:mixtral", "tp=2", processes=2, steps=5, batch=4, seq=16, timeout=180,
+                    tp_plan=ATTENTION_ONLY)
+    assert report.ok, str(report)
+    assert max(report.loss_differences) <= 1e-4
 
 
 def test_nbtrain_profile_on_the_command_line_takes_a_mixtral(tmp_path, capsys, monkeypatch):
@@ -181,7 +224,8 @@ def test_a_mixtral_with_its_update_offloaded_trains_like_one_process(plan):
 
 def test_the_magic_plans_and_launches_a_mixtral_saying_why_tp_is_not_offered(shell, capsys):
     result = shell.run_cell("%%autoparallel --gpus 2 --batch 4 --seq 16 --launch --processes 2 --steps 2 -o mx\n"
-                            "from tests.any_models import mixtral\nmoe = mixtral()\n")
+                            "from tests.any_models import mixtral\nmoe = mixtral()\n"
+                            f"moe.config.base_model_tp_plan = {{**moe.config.base_model_tp_plan, **{EXPERTS_SPLIT}}}\n")
     assert result.success, result.error_in_exec
     out = capsys.readouterr().out
     assert "tensor parallelism was not searched" in out and "'moe_tp_experts'" in out

@@ -26,11 +26,10 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **The loss** (the head's): :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``; under
   TP on the logits split over the vocabulary when the loss is nbtrain's own (:mod:`nbtrain.run.parallel.vocab_parallel`,
   Megatron-LM's parallel cross-entropy), else on whole logits gathered on every rank.
-* **Reserve**: memory a GPU process holds before the model has a byte: the CUDA context with the kernels a
-  training step loads, and with more than one device NCCL's communication buffers (:func:`reserve_parts`). A
-  constant per device, not a fraction of anything: neither grows with the model, so a 1 M-parameter model on 8
-  GPUs needs its ~1 GiB per device as much as a 7 B one does. The budget (``--memory``) is the device's whole memory: the reserve comes out of it
-  first, and a budget below the reserve fits nothing. None on the CPU, where a worker is an ordinary process.
+* **Reserve**: what a GPU process holds before the model has a byte: the CUDA context with a step's kernels, and
+  with more than one device NCCL's buffers (:func:`reserve_parts`); a constant per device (a 1 M-parameter model
+  on 8 GPUs needs its ~1 GiB as much as a 7 B one), out of the budget (``--memory``, the device's whole memory)
+  first. None on the CPU, where a worker is an ordinary process.
 * **Compute**: on a GPU, each kernel class at its own rate, no layer faster than its kernels' launches
   (:mod:`nbtrain.planner.compute_time`); else (a CPU, an old profile) FLOPs / sustained FLOP/s; or, when the
   profile was measured on this machine's device and the cluster is this machine, each layer's measured time scaled
@@ -60,8 +59,11 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 * **Pipeline**: each stage sends its output forward and receives its gradient back per micro-batch, and pays the
   schedule's own work per micro-batch where it was measured (:meth:`CostModel.schedule_overhead`); step time
   ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (GPipe, Huang et al. 2019; the same bubble for 1F1B). Once-per-step costs (the
-  gradient sync, the offloaded update) are spread over the ``m`` micro-batches of their stage, which is exact
-  for ``pp = 1`` and keeps every stage's time a sum over its layers, so the search stays exact.
+  gradient sync, the update, offloaded or not) are spread over the schedule's ``pp + m − 1`` slots, so that with
+  balanced stages the step pays each stage's once, after the pipeline drains, as the stages run them side by side
+  (the executor's loss all-reduce ends every rank's pipeline at once); spread over ``m`` they were paid
+  ``(pp + m − 1)/m`` times. Exact for ``pp = 1``; every stage's time stays a sum over its layers, so the search
+  stays exact.
 """
 
 from __future__ import annotations
@@ -71,29 +73,28 @@ from functools import lru_cache
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost_options import CostOptions
 from nbtrain.planner.expert_cost import dispatch_seconds, spread_experts
-from nbtrain.planner.compute_time import by_kernel_class, layer_work, seconds
 from nbtrain.planner.link_costs import fsdp_seconds, gather_seconds, replica_seconds, schedule_seconds, tp_seconds
-from nbtrain.planner.memory_terms import loss_bytes, model_states
+from nbtrain.planner.layer_terms import LayerTerms
+from nbtrain.planner.memory_terms import model_states
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.plan_checks import check_against
 from nbtrain.planner.reserve import reserve_parts
 from nbtrain.planner.prediction import LayerCost, Memory, Prediction, StagePrediction, Time
-from nbtrain.planner.selective_cost import (kept_per_rank, matmul_recompute_seconds, recompute_seconds,
-                                           split_over_tp)
+from nbtrain.planner.selective_cost import kept_per_rank
 from nbtrain.planner.strategy import Strategy
 from nbtrain.planner.update_cost import update_seconds
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
 
 GiB = 2**30
-MiB = 2**20
+
 
 def _ring(k: int, nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
     """One all-gather or reduce-scatter over a ring of ``k`` devices (Thakur et al. 2005), plus ``latency``."""
     return 0.0 if k <= 1 else latency + (k - 1) / k * nbytes / bandwidth
 
 
-class CostModel:
+class CostModel(LayerTerms):
     """Evaluates layers and plans for one model, cluster, global batch and sequence length."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
@@ -154,10 +155,11 @@ class CostModel:
         return self.global_batch / (microbatches * strategy.dp)
 
     # -- one layer -------------------------------------------------------------------------------------------
-    def layer(self, index: int, s: Strategy, microbatches: int) -> LayerCost:
+    def layer(self, index: int, s: Strategy, microbatches: int, pp: int = 1) -> LayerCost:
         prof, c, e = self.profile.layers[index], self.cluster, self.e
         b = self.micro_batch(s, microbatches)
-        p = prof.params / s.tp
+        whole, _ = self._whole(index, s, b)
+        p = (prof.params - whole) / s.tp + whole  # what TP splits, and what every TP rank holds whole
         shard = s.dp_shard
         spread = spread_experts(self.profile.arch, index, s, b * self.seq_len, self._eval(index, "flops_fwd", b))
         dense = p - spread.params if spread else p  # under ep, the experts' 1/ep under their own data parallelism
@@ -209,70 +211,11 @@ class CostModel:
         # the update of what this rank holds: its shard of the layer, and under ep its experts' shard
         offload, update = self._optimizer(index, s, dense + (spread.params / s.ep / spread.strategy.dp_shard * shard
                                                              if spread else 0.0), bwd)
-        per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / microbatches)
+        # once a step, spread over the schedule's pp + m − 1 slots (the module docstring's "Pipeline")
+        per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / (microbatches + pp - 1))
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
-
-    def _selective_recompute(self, index: int, s: Strategy, b: float, fwd: float) -> float:
-        """Seconds ``ac=op``'s backward spends recomputing: the ops other than matmuls and attention by the bytes they
-        write, and the projection matmuls it dropped by their FLOPs (:mod:`nbtrain.planner.selective_cost`)."""
-        prof, c = self.profile.layers[index], self.cluster
-        memory_bound = recompute_seconds(self._eval(index, "recompute_bytes", b), self._hidden(index, b), prof.kind,
-                                         s.tp, c, fwd, self.slowdown)
-        dropped = self._eval(index, "recompute_matmul_flops", b) if "recompute_matmul_flops" in prof.scaling else 0
-        by_kernel = by_kernel_class(prof, c, timed_here=self.measured)
-        matmuls = matmul_recompute_seconds(dropped, self._eval(index, "flops_fwd", b), fwd, s.tp, c, by_kernel)
-        return min(memory_bound + matmuls * (self.slowdown if by_kernel else 1.0), fwd)
-
-    def _loss_bytes(self, index: int, s: Strategy, b: float, full_act: float) -> tuple[float, float]:
-        """The head's loss (:func:`~nbtrain.planner.memory_terms.loss_bytes`) on one TP rank; (0, 0) elsewhere."""
-        if self.profile.layers[index].kind != "head":
-            return 0.0, 0.0
-        split = 1 if self._gathers_output(index) else s.tp
-        return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act)
-
-    def _gathers_output(self, index: int) -> bool:
-        """Whether tensor parallelism gathers the layer's output whole on every rank: an LM head's logits, unless
-        the loss is nbtrain's own, which runs on the logits split over the vocabulary
-        (:mod:`nbtrain.run.parallel.vocab_parallel`; the profile says, ``arch["vocab_parallel_loss"]``)."""
-        arch = self.profile.arch
-        return index in (arch.get("tp_gathers_output") or ()) and not arch.get("vocab_parallel_loss")
-
-    def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
-        """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism without ``sp``
-        splits what the heads and the MLP's inner width compute; the hidden-sized tensors around them are whole on
-        every rank: a block's two norms' inputs and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh
-        counts two dropout masks besides), a head's input, and a head that gathers its logits the loss's copy of
-        them (:meth:`_gathers_output`). A block with ``sp`` splits those along the sequence
-        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``)."""
-        full = self._eval(index, "activation_bytes", b)
-        if s.tp == 1:
-            return full
-        kind = self.profile.layers[index].kind
-        if s.sp and kind == "block":
-            return full / s.tp
-        whole = (4 if kind == "block" else 1) * self._hidden(index, b)
-        if self._gathers_output(index):  # the loss's fp32 log-probabilities of the gathered logits, whole too
-            whole += self._eval(index, "output_bytes", b) * 4 / self.e
-        return split_over_tp(full, whole, s.tp)
-
-    def _compute(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
-        """Forward and backward seconds of a layer's share of ``b`` sequences on one device: its profiled time
-        scaled by FLOPs (or tokens) to the shape when measured here, else by kernel on a GPU, else FLOPs over the
-        sustained rate; slowed by the processes that share the cores and memory."""
-        prof, c = self.profile.layers[index], self.cluster
-        flops_fwd = self._eval(index, "flops_fwd", b) / s.tp
-        flops_bwd = self._eval(index, "flops_bwd", b) / s.tp
-        if self.measured and prof.time_fwd_s is not None:
-            tokens = b * self.seq_len / (self.profile.batch_size * self.profile.seq_len) / s.tp
-            fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
-            bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
-        elif by_kernel_class(prof, c, timed_here=self.measured):  # a GPU, kernels counted
-            fwd, bwd = (seconds(w.split(s.tp), c) for w in layer_work(prof, b, self.seq_len))
-        else:
-            fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
-        return fwd * self.slowdown, bwd * self.slowdown
 
     def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float,
                        stride: int = 1) -> tuple[float, float]:
@@ -342,7 +285,7 @@ class CostModel:
     # -- a whole plan ----------------------------------------------------------------------------------------
     def stage(self, plan: Plan, i: int, start: int, end: int) -> tuple[StagePrediction, Time]:
         k = self.in_flight(i, plan.pp, plan.microbatches, plan.schedule)
-        costs = [self.layer(j, plan.layers[j], plan.microbatches) for j in range(start, end)]
+        costs = [self.layer(j, plan.layers[j], plan.microbatches, plan.pp) for j in range(start, end)]
         memory = Memory(reserve=self.reserve, transient=max(cost.transient for cost in costs))
         time = Time()
         for j, cost in zip(range(start, end), costs):
@@ -354,8 +297,8 @@ class CostModel:
             time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp, i))
         if plan.pp > 1:
             time = time + Time(pp_comm=self.schedule_overhead())
-        if plan.pp > 1 and i == plan.pp - 1 and self.profile.layers[-1].tied:
-            memory = memory + self._tied_copy(plan.layers[-1])
+            if i == plan.pp - 1 and self.profile.layers[-1].tied:
+                memory = memory + self._tied_copy(plan.layers[-1])
         host = sum(cost.host_bytes for cost in costs)
         return StagePrediction(start, end, k, memory, time.total, host), time
 
@@ -374,10 +317,7 @@ class CostModel:
         slowest = max(stage.time_per_microbatch for stage in stages)
         m = plan.microbatches
         step = sum(stage.time_per_microbatch for stage in stages) + (m - 1) * slowest
-        # time by category, as the slowest stage's devices spend the step: its m micro-batches, and idle for the
-        # rest (the pipeline bubble: the other stages' first-micro-batch times, Σ_{j≠i} Tⱼ)
-        slow_index = max(range(len(stages)), key=lambda i: stages[i].time_per_microbatch)
-        total = times[slow_index].scaled(m) + Time(bubble=step - m * slowest)
+        total = times[max(range(len(stages)), key=lambda i: stages[i].time_per_microbatch)].over_step(step, m, plan.pp)
         model_flops = self.profile.at(self.global_batch, self.seq_len).flops_per_step
         peak = self.cluster.num_devices * self.cluster.peak_flops
         return Prediction(step, self.global_batch * self.seq_len / step, model_flops / (step * peak), stages,

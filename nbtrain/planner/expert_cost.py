@@ -88,6 +88,21 @@ def spread_experts(arch: dict, index: int, s: Strategy, tokens: float, flops_fwd
                          imbalance(s.ep, tokens * k), experts, k)
 
 
+def whole_under_tp(arch: dict, index: int, params: float, tokens: float, flops_fwd: float) -> tuple[float, float]:
+    """``(parameters, share of the forward FLOPs)`` of layer ``index`` (``params`` in all, ``flops_fwd`` on
+    ``tokens`` tokens) that its tensor-parallel plan leaves whole on every TP rank (``arch["tp_whole_params"]``): its
+    norms and router, and, where the plan splits only the attention (transformers 5.25's Mixtral and Qwen3-MoE), its
+    experts, with all of their FLOPs (``2 · k · params / E`` a token); norms and routers compute next to nothing."""
+    per_layer = arch.get("tp_whole_params") or ()
+    whole = min(float(per_layer[index]), params) if index < len(per_layer) else 0.0
+    experts = (arch.get("layer_expert_params") or ())
+    expert_params = experts[index] if index < len(experts) else 0
+    if not expert_params or whole < expert_params or not flops_fwd:
+        return whole, 0.0
+    k, count = arch["experts_per_token"], arch["experts"]
+    return whole, min(1.0, 2 * k * expert_params / count * tokens / flops_fwd)
+
+
 def dispatch_seconds(links, world: int, gather, ep: int, hidden_bytes: float, k: int, experts: int, factor: float,
                      passes: int) -> float:
     """Seconds a layer's dispatch costs a micro-batch on ``world`` devices, ``k`` hidden states a token sent

@@ -53,6 +53,15 @@ class Time(Sum):
     def scaled(self, k: float) -> "Time":
         return Time(*(getattr(self, f.name) * k for f in fields(self)))
 
+    def over_step(self, step: float, microbatches: int, pp: int) -> "Time":
+        """A step of ``step`` seconds by category, as the devices of the stage whose time per micro-batch this is
+        (the slowest) spend it: its ``m`` micro-batches, its once-a-step costs whole (the cost model spreads them over
+        ``pp + m − 1`` slots, ``m`` of them inside its micro-batches), idle for the rest (the pipeline bubble)."""
+        once = Time(dp_comm=self.dp_comm, offload=self.offload, update=self.update)
+        idle = step - microbatches * self.total
+        rest = min(pp - 1, idle / once.total) if once.total > 0 else 0.0
+        return self.scaled(microbatches) + once.scaled(rest) + Time(bubble=idle - rest * once.total)
+
 
 @dataclass(frozen=True)
 class LayerCost:

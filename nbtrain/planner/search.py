@@ -47,7 +47,7 @@ class _Solver:
         self.kind = kinds  # layers of equal kind cost the same: they share tables and cached frontiers
         reps = {k: kinds.index(k) for k in sorted(set(kinds))}
         m = task.microbatches
-        self.costs = {k: [model.layer(i, s, m) for s in task.space] for k, i in reps.items()}
+        self.costs = {k: [model.layer(i, s, m, task.pp) for s in task.space] for k, i in reps.items()}
         layouts = [task.space[list(task.layout_of).index(c)] for c in range(len(task.layouts))]
         self.relayout = {k: np.array([[model.relayout(i, a, b, m) for b in layouts] for a in layouts])
                          for k, i in reps.items()}
