@@ -60,7 +60,7 @@ def test_a_transformers_qwen2_trains_like_one_process(plan):
     _check("qwen2", plan)
 
 
-@pytest.mark.parametrize("plan", ["tp=2", "tp=2 sp", "tp=2 offload=1"])
+@pytest.mark.parametrize("plan", ["tp=2", "tp=2 sp", "tp=2 offload=1", MIX])
 def test_a_transformers_qwen3_with_a_norm_on_each_heads_queries_and_keys_trains_like_one_process(plan):
     # its own plan runs q_norm and k_norm on each rank's heads ("replicated_with_grad_allreduce"): their gradients,
     # each rank's over its own heads, must be summed, or the ranks' norms part after the first update

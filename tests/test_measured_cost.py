@@ -151,6 +151,22 @@ def test_every_pipeline_stage_pays_the_measured_schedule_work_per_micro_batch_in
     assert (free.microbatches, dear.microbatches) == (8, 2)
 
 
+def test_the_schedule_work_is_the_cheapest_measured_micro_batch_when_noise_makes_the_fit_all_bytes():
+    """Measured on a slow 2-core machine (link_bench's pp_microbatch): 1.449, 1.031 and 9.710 ms per micro-batch at
+    32, 128 and 512 KiB, the widest carrying two stages computing at once. A line through them has no fixed part,
+    which would price the schedule's work at nothing; every point holds it, so the cheapest, less its two transfers
+    (p2p measured at 92.6 µs + bytes / 1.763 GB/s): 1.031 − 2 · (0.0926 + 131072 / 1.763e6) ms = 0.697 ms."""
+    from nbtrain.planner.link_costs import schedule_seconds
+    from nbtrain.profiler.collectives import links_from
+
+    points = [("pp_microbatch", 2, 32768, 1.449e-3), ("pp_microbatch", 2, 131072, 1.031e-3),
+              ("pp_microbatch", 2, 524288, 9.710e-3), ("p2p", 2, 65536, 9.26e-5 + 65536 / 1.763e9),
+              ("p2p", 2, 2097152, 9.26e-5 + 2097152 / 1.763e9)]
+    links = links_from(points, world=2)
+    assert links.find("pp_microbatch", 2, 2).latency_s == 0.0
+    assert schedule_seconds(links, 2) == pytest.approx(1.031e-3 - 2 * (92.6e-6 + 131072 / 1.763e9), rel=1e-3)
+
+
 @pytest.mark.parametrize("slow", ["fsdp", "ddp"])
 def test_a_slow_measured_wrapper_stops_being_recommended_for_a_model_that_fits_either_way(slow):
     """FSDP or DDP, for a model whose states fit on one device many times over: whichever this machine was
