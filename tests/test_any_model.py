@@ -34,8 +34,9 @@ VIT_TP = {"vit.layers.*.attention.q_proj": "colwise", "vit.layers.*.attention.k_
 """The same split for ViT, whose config carries no plan either."""
 
 
-def _check(model: str, plan: str, **workload):
-    report = verify(f"tests.any_models:{model}", plan, processes=2, steps=5, batch=4, seq=16, timeout=180, **workload)
+def _check(model: str, plan: str, processes: int = 2, timeout: float = 180, **workload):
+    report = verify(f"tests.any_models:{model}", plan, processes=processes, steps=5, batch=4, seq=16, timeout=timeout,
+                    **workload)
     assert report.ok, str(report)
     assert max(report.loss_differences) <= 1e-4
 
@@ -68,9 +69,7 @@ def test_a_transformers_qwen3_with_a_norm_on_each_heads_queries_and_keys_trains_
 
 
 def test_a_transformers_qwen3_sharded_and_tensor_parallel_on_four_processes_trains_like_one_process():
-    report = verify("tests.any_models:qwen3", "dp_shard=2 tp=2", processes=4, steps=5, batch=4, seq=16, timeout=240)
-    assert report.ok, str(report)
-    assert max(report.loss_differences) <= 1e-4
+    _check("qwen3", "dp_shard=2 tp=2", processes=4, timeout=240)
 
 
 @pytest.mark.parametrize("plan", ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2 ac", "tp=2", "pp=2 mb=2",

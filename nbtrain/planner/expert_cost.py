@@ -82,10 +82,17 @@ def spread_experts(arch: dict, index: int, s: Strategy, tokens: float, flops_fwd
     if not params:
         return None
     experts, k = arch["experts"], arch["experts_per_token"]
-    share = min(1.0, 2 * k * params / experts * tokens / flops_fwd) if flops_fwd else 0.0
     replicate, shard = s.expert_degrees
-    return SpreadExperts(params, Strategy(dp_replicate=replicate, dp_shard=shard, zero=s.zero), share,
-                         imbalance(s.ep, tokens * k), experts, k)
+    return SpreadExperts(params, Strategy(dp_replicate=replicate, dp_shard=shard, zero=s.zero),
+                         experts_flops_share(arch, params, tokens, flops_fwd), imbalance(s.ep, tokens * k), experts, k)
+
+
+def experts_flops_share(arch: dict, params: float, tokens: float, flops_fwd: float) -> float:
+    """The share of a layer's forward FLOPs (``flops_fwd`` on ``tokens`` tokens) its experts (``params`` of them in
+    all) compute: ``2 · k · params / E`` a token, each token through ``k`` of the ``E`` experts."""
+    if not flops_fwd:
+        return 0.0
+    return min(1.0, 2 * arch["experts_per_token"] * params / arch["experts"] * tokens / flops_fwd)
 
 
 def whole_under_tp(arch: dict, index: int, params: float, tokens: float, flops_fwd: float) -> tuple[float, float]:
@@ -97,10 +104,9 @@ def whole_under_tp(arch: dict, index: int, params: float, tokens: float, flops_f
     whole = min(float(per_layer[index]), params) if index < len(per_layer) else 0.0
     experts = (arch.get("layer_expert_params") or ())
     expert_params = experts[index] if index < len(experts) else 0
-    if not expert_params or whole < expert_params or not flops_fwd:
+    if not expert_params or whole < expert_params:
         return whole, 0.0
-    k, count = arch["experts_per_token"], arch["experts"]
-    return whole, min(1.0, 2 * k * expert_params / count * tokens / flops_fwd)
+    return whole, experts_flops_share(arch, expert_params, tokens, flops_fwd)
 
 
 def dispatch_seconds(links, world: int, gather, ep: int, hidden_bytes: float, k: int, experts: int, factor: float,
