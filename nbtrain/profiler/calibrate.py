@@ -11,6 +11,10 @@ Each benchmark but the all-reduce takes well under a second on a 2-core CPU (the
 imports ``torch._dynamo``, ~1.3 s, counted in ``seconds_spent``); ``Cluster.detect()`` turns the
 measurements into a calibrated ``Cluster``. Every timing is the median of a few repeats after a warm-up: the first
 call pays for allocation, the thread pool and (on CUDA) kernel selection, and a busy CI machine throws outliers.
+
+Process groups on this machine are reachable from this machine only (:func:`loopback_store`,
+:func:`loopback_only_env`): the measurements' spawned workers here and the executor's forked workers
+(:mod:`nbtrain.run.launch.workers`) both rendezvous through them.
 """
 
 from __future__ import annotations
@@ -169,11 +173,55 @@ def cpu_adamw_rate(num_params: int = 4_000_000, threads: int | None = 1, *, repe
                        f"AdamW(fused=True), {format_count(num_params)} params, {label}, median of {repeats}")
 
 
-def _free_port() -> int:
-    """A localhost port nobody listens on now: the kernel picks one when we bind port 0."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def loopback_store(port: int = 0, timeout: timedelta = timedelta(minutes=30)) -> "torch.distributed.TCPStore":
+    """A rendezvous store for processes of this machine: a TCPStore server listening on ``127.0.0.1:port`` alone
+    (``port=0``: a free one, ``store.port``). Clients reach it as ``TCPStore("127.0.0.1", store.port)``, or by handing
+    it over: a ``multi_tenant=True`` TCPStore made in this process on the same port (as torch elastic's static
+    rendezvous makes its own) uses this server rather than binding another. The server closes when every store
+    object on it is gone. Raises ``OSError`` (``EADDRINUSE``) when ``port`` is taken.
+
+    Why nbtrain binds the socket: torch's TCPStore server listens on every interface whatever host it is given (it
+    binds ``::``, measured with torch 2.13, libuv and classic servers alike) and serves any client without
+    authentication, so another host could read and write the run's keys and break or take over its rendezvous.
+    Given a socket already bound (``master_listen_fd``), the server listens on that socket as it is: on loopback,
+    nothing outside this machine can connect. (A ``FileStore`` would need no socket, but torch elastic's agent, which
+    forks the executor's workers, rendezvous through a TCPStore only.)"""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds: TIME_WAIT is no conflict
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the server owns the descriptor from here and closes it with itself
+    try:
+        return dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False, multi_tenant=True,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def loopback_only_env() -> dict[str, str]:
+    """The environment under which gloo and NCCL open their own sockets (gloo's pairs, NCCL's bootstrap) on the
+    loopback interface only, for process groups that never leave this machine.
+
+    Left alone, gloo listens on the address this machine's hostname resolves to (its network address on most
+    laptops and login nodes: on this machine, with the hostname made to name its eth0 address, the workers' gloo
+    pairs listened on it), NCCL on the first network interface it finds."""
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = "lo0" if "lo0" in names else "lo"  # macOS, Linux
+    for name in names:  # Linux marks it IFF_LOOPBACK (0x8) whatever it is called
+        try:
+            if int(open(f"/sys/class/net/{name}/flags").read(), 16) & 0x8:
+                loopback = name
+                break
+        except (OSError, ValueError):
+            continue
+    return {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": f"={loopback}"}  # NCCL: '=' names it exactly
 
 
 def _spawned_worker(rank: int, world_size: int, port: int, backend: str, target, args, results) -> None:
@@ -185,8 +233,11 @@ def _spawned_worker(rank: int, world_size: int, port: int, backend: str, target,
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=60))
+        timeout = timedelta(seconds=60)
+        # A client of the parent's loopback store: with init_method="tcp://...", rank 0 would serve the store on
+        # every interface (loopback_store says why).
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = target(*args)
         if backend == "gloo":
             dist.barrier()  # STACK.md: ranks that leave while a peer still talks abort at shutdown
@@ -203,19 +254,22 @@ def run_spawned(target: Callable, world_size: int, *args, backend: str = "gloo",
     notebook's threads and CUDA context do not leak into them; each pays for ``import torch`` (~4 s here). On
     ``timeout`` the workers are killed and ``CalibrationError`` says so."""
     started = time.perf_counter()
-    port = _free_port()
+    store = loopback_store(timeout=timedelta(seconds=timeout))  # held here until the workers are done
+    port = store.port
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     workers = [ctx.Process(target=_spawned_worker, daemon=True,
                            args=(rank, world_size, port, backend, target, args, results))
                for rank in range(world_size)]
-    quiet = {"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL")}
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's shutdown notes about awaited async work are noise here
+    # c10d's shutdown notes about awaited async work are noise here; gloo's and NCCL's sockets stay on loopback
+    child_env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **loopback_only_env()}
+    saved = {key: os.environ.get(key) for key in child_env}
+    os.environ.update(child_env)
     try:
         for worker in workers:
             worker.start()  # a spawned child takes the environment as it is now
     finally:
-        for key, value in quiet.items():
+        for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     found: dict[int, object] = {}
     try:
@@ -242,6 +296,7 @@ def run_spawned(target: Callable, world_size: int, *args, backend: str = "gloo",
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+        del store  # the port closes now, not while a raised CalibrationError (its frames) is kept
     return [found[rank] for rank in range(world_size)]
 
 

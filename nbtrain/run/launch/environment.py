@@ -1,6 +1,7 @@
-"""The launching process's side of a launch: its environment and signal handlers for the launch's duration, the
-launch's own temporary folder (removed after it), the check that CUDA is not initialised before forking, the GPUs
-it sees without initialising CUDA, the process limit, and a free port for the group's rendezvous."""
+"""The launching process's side of a launch: its environment and signal handlers for the launch's duration (gloo's
+and NCCL's sockets on loopback among them), the launch's own temporary folder (removed after it), the check that
+CUDA is not initialised before forking, the GPUs it sees without initialising CUDA, the process limit, and a free
+port for the group's rendezvous."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def launch_env(cpu_only: bool):
         # (PyTorch's remedy, as torchtitan's launcher sets it); the planner's headroom assumes it. The user's wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
-        with cpu_env(cpu_only):
+        with cpu_env(cpu_only), loopback_env():
             yield
     finally:
         for key in set(os.environ) - set(saved):  # key by key: other threads never see an empty environment
@@ -167,6 +168,18 @@ def cpu_env(cpu_only: bool):
     from accelerate.utils import patch_environment
 
     return patch_environment(ACCELERATE_USE_CPU="1") if cpu_only else nullcontext()
+
+
+def loopback_env():
+    """For a launch on this machine alone (forked workers, or one process): gloo's pairs and NCCL's bootstrap
+    listen on loopback, not on the address the hostname names, reachable from the network and unauthenticated
+    (:func:`~nbtrain.profiler.calibrate.loopback_only_env`); put back afterwards. Not the user's setting: one made for
+    multi-node runs would open this machine's run to the network, and loopback always works here."""
+    from accelerate.utils import patch_environment
+
+    from nbtrain.profiler.calibrate import loopback_only_env  # torch: not when nbtrain.launch is imported
+
+    return patch_environment(**loopback_only_env())
 
 
 def check_limit(num_processes: int, gpus: int) -> None:

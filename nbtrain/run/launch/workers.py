@@ -27,6 +27,7 @@ reached the collective the others wait in: see :mod:`nbtrain.run.launch.stacks`.
 from __future__ import annotations
 
 import datetime
+import errno
 import faulthandler
 import multiprocessing
 import os
@@ -44,7 +45,7 @@ from typing import Any, Callable
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, LaunchError
 from nbtrain.run.launch.environment import (SIGNALS, check_cuda_not_initialised, check_limit, cpu_env, free_port,
-                                             launch_env, launch_folder, port_is_free, visible_gpus)
+                                             launch_env, launch_folder, loopback_env, port_is_free, visible_gpus)
 from nbtrain.run.launch.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
                                          worker_processes, write_exit_report, write_whole)
 
@@ -62,10 +63,11 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     ``launch(train, model_cfg, num_processes=4, timeout=600, steps=10)`` forks four workers, each with
     ``torch.distributed`` initialised (gloo without a GPU, nccl on one GPU per rank), runs ``train(model_cfg,
     steps=10)`` in each, and returns what rank 0 returned (it must pickle). ``num_processes=1`` runs ``fn`` in
-    this process in a one-rank group, so ``%debug`` works. ``port`` is the rendezvous port (a free one by default);
-    ``timeout`` (seconds) bounds the whole run. Forked workers' collectives time out 30 s later (``timeout + 30``),
-    so that a hang is reported by the launch, which names the rank that hung, rather than by gloo on a rank that
-    waited for it; in one process, and under torchrun, every collective times out after ``timeout``.
+    this process in a one-rank group, so ``%debug`` works. ``port`` is the rendezvous port (a free one by default),
+    listened on at 127.0.0.1 only, as gloo's and NCCL's own sockets are: nothing outside this machine can reach the
+    run. ``timeout`` (seconds) bounds the whole run. Forked workers' collectives time out 30 s later (``timeout +
+    30``), so that a hang is reported by the launch, which names the rank that hung, rather than by gloo on a rank
+    that waited for it; in one process, and under torchrun, every collective times out after ``timeout``.
 
     A worker that raises stops all workers and raises :class:`WorkerError` naming the rank, with its traceback;
     past ``timeout`` each worker's stacks are dumped, the workers are killed and :class:`LaunchTimeoutError` is
@@ -103,7 +105,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     if port is not None and not port_is_free(port):
         raise InvalidArgumentError(f"port {port} is in use; pass another, or port=None to pick a free one")
     if num_processes == 1:
-        with cpu_env(gpus == 0):
+        with cpu_env(gpus == 0), loopback_env():
             return _run_in_group(fn, args, kwargs, 1, pg_timeout)
     fork_pg_timeout = datetime.timedelta(seconds=timeout + _PG_MARGIN_S) if timeout else _PG_TIMEOUT
     return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, fork_pg_timeout, gpus)
@@ -175,31 +177,44 @@ def _run_launcher(worker, num_processes, port, gpus, workdir, watcher, timer, ti
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    for attempt in range(3):
+    store = _loopback_store(port)
+    try:
+        print(f"Launching {num_processes} workers on {'GPUs, one each (nccl)' if gpus else 'CPU (gloo)'}"
+              f" at 127.0.0.1:{store.port}", flush=True)
+        with redirect_stdout(_DropBanner(sys.stdout)):
+            # The agent's static rendezvous makes its TCPStore on this port with multi_tenant=True, so it serves
+            # from this loopback server rather than listening on every interface (loopback_store says why); the
+            # workers connect to 127.0.0.1 as its clients.
+            notebook_launcher(worker, num_processes=num_processes, use_port=str(store.port))
+        return None
+    except ChildFailedError as failure:
+        if timed_out.is_set():
+            timer.join()  # the dumps are written and the workers killed
+            return timeout_error(workdir, num_processes, timeout)
+        return worker_error(failure, workdir, num_processes, watcher)
+    except SignalException as stop:  # elastic turns Ctrl-C (and SIGTERM) into this; it has already
+        if stop.sigval == signal.SIGINT:  # signalled the workers
+            return KeyboardInterrupt()
+        return LaunchError(f"the launch was stopped by {stop.sigval.name}")
+    except ValueError as error:  # accelerate's "Accelerator already initialised" and such
+        return LaunchError(str(error))
+    finally:
+        del store  # the port closes with the launch, not while an error raised through here is kept
+
+
+def _loopback_store(port: int | None):
+    """The launch's rendezvous store, listening on 127.0.0.1 only: on ``port``, or on a free port."""
+    from nbtrain.profiler.calibrate import loopback_store  # torch: not when nbtrain.launch is imported
+
+    for _ in range(1 if port else 3):
+        use_port = port or free_port()
         try:
-            use_port = port or free_port()
-            print(f"Launching {num_processes} workers on {'GPUs, one each (nccl)' if gpus else 'CPU (gloo)'}"
-                  f" at 127.0.0.1:{use_port}", flush=True)
-            with redirect_stdout(_DropBanner(sys.stdout)):
-                notebook_launcher(worker, num_processes=num_processes, use_port=str(use_port))
-            return None
-        except ChildFailedError as failure:
-            if timed_out.is_set():
-                timer.join()  # the dumps are written and the workers killed
-                return timeout_error(workdir, num_processes, timeout)
-            return worker_error(failure, workdir, num_processes, watcher)
-        except SignalException as stop:  # elastic turns Ctrl-C (and SIGTERM) into this; it has already
-            if stop.sigval == signal.SIGINT:  # signalled the workers
-                return KeyboardInterrupt()
-            return LaunchError(f"the launch was stopped by {stop.sigval.name}")
-        except Exception as error:
-            # Between picking a free port and the agent binding it another process may take it: try again.
-            if port is None and attempt < 2 and "address already in use" in str(error).lower():
-                continue
-            if isinstance(error, ValueError):  # accelerate's "Accelerator already initialised" and such
-                return LaunchError(str(error))
-            raise
-    return None
+            return loopback_store(use_port)
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            # a port given is the user's to change; one found free was taken by another process since: pick again
+    raise InvalidArgumentError(f"port {use_port} is in use; pass another, or port=None to pick a free one")
 
 
 class _Worker:
