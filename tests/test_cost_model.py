@@ -250,16 +250,17 @@ def test_1f1b_stage_i_holds_min_of_pp_minus_i_and_m_micro_batches():
     assert [s.in_flight for s in pred.stages] == [2, 1]
     assert [s.memory.activations for s in pred.stages] == pytest.approx([203_200, 150_000], rel=EXACT)
 
-    one = model.estimate(plan(S(dp_shard=4), pp=2, microbatches=1, global_batch=16))
-    # m = 1 < pp: stage 0 holds min(2, 1) = 1 micro-batch of b = 4: (16 + 1000) · 400
+    one = model.estimate(plan(S(dp_shard=4), pp=2, microbatches=1, schedule="gpipe", global_batch=16))
+    # m = 1 < pp runs under GPipe only (1F1B needs m ≥ pp): every stage holds its one micro-batch of b = 4:
+    # (16 + 1000) · 400
     assert [s.in_flight for s in one.stages] == [1, 1]
     assert one.stages[0].memory.activations == pytest.approx(406_400, rel=EXACT)
 
-    four = model.estimate(plan(S(dp_shard=2), pp=4, microbatches=2, global_batch=16))
-    # pp 4, m 2, b = 4: min(4 − i, 2) = 2, 2, 2, 1; one layer per stage: 16·400, 1000·400, 1000·400, 500·400
-    assert [s.in_flight for s in four.stages] == [2, 2, 2, 1]
+    four = model.estimate(plan(S(dp_shard=2), pp=4, microbatches=4, global_batch=16))
+    # pp 4, m 4, b = 2: min(4 − i, 4) = 4, 3, 2, 1; one layer per stage: 4·16·200, 3·1000·200, 2·1000·200, 500·200
+    assert [s.in_flight for s in four.stages] == [4, 3, 2, 1]
     assert [s.memory.activations for s in four.stages] == pytest.approx(
-        [12_800, 800_000, 800_000, 200_000], rel=EXACT)
+        [12_800, 600_000, 400_000, 100_000], rel=EXACT)
 
 
 def test_gpipe_holds_all_m_micro_batches_in_every_stage():
@@ -360,7 +361,8 @@ def test_pipeline_stages_update_once_a_step_side_by_side_after_the_pipeline_drai
     equal = profile([ends[0], *blocks, ends[1]], dtype="float32")
     model = CostModel(equal, cluster(2, 2, device="cpu"), global_batch=m,
                       options=CostOptions(headroom=0, reserve_bytes=0, clip=False))
-    pipelined = model.estimate(plan(*[S()] * 4, devices=2, pp=2, microbatches=m, stages=(2, 2), global_batch=m))
+    pipelined = model.estimate(plan(*[S()] * 4, devices=2, pp=2, microbatches=m, stages=(2, 2), global_batch=m,
+                                    schedule="1f1b" if m >= 2 else "gpipe"))  # 1F1B runs m ≥ pp only
     assert pipelined.step_time_s == pytest.approx(3e-3 * (m + 1) + 1e-3, rel=EXACT)
     # by category, as a stage's device spends the step: m micro-batches, the update once, idle for the rest
     assert pipelined.time.update == pytest.approx(1e-3, rel=EXACT)
@@ -489,7 +491,7 @@ def test_the_zero_offload_schedule_is_never_faster_than_the_overlapped_one():
     checked = 0
     for pp, m in itertools.product((1, 2), (1, 2, 4)):
         for s in strategy_space(8 // pp, devices_per_node=8, offload_levels=(0.0, 0.25, 1.0), max_dp=16 // m):
-            p = plan(s, pp=pp, microbatches=m, global_batch=16)
+            p = plan(s, pp=pp, microbatches=m, global_batch=16, schedule="1f1b" if m >= pp else "gpipe")
             fast, slow = overlapped.estimate(p).step_time_s, serial.estimate(p).step_time_s
             assert slow >= fast * (1 - EXACT), str(p)
             if s.offload == 0:
@@ -502,7 +504,7 @@ def test_a_pipeline_send_between_stages_on_different_nodes_runs_at_the_inter_nod
     # 8 devices, 4 per node, pp = 4: stage i runs on devices 2i, 2i+1 (pp is the outermost mesh axis). Stages 0→1
     # and 2→3 talk inside a node, stage 1 (devices 2, 3) sends to stage 2 (devices 4, 5) across nodes.
     model = cost_model(global_batch=2, devices_per_node=4, inter_node_bandwidth=1e8)
-    p = plan(S(dp_replicate=2), pp=4, global_batch=2)
+    p = plan(S(dp_replicate=2), pp=4, microbatches=1, schedule="gpipe", global_batch=2)
     # b = 1: each block sends 200 · 100 bytes forward and receives as much back
     times = [model.stage(p, i, i, i + 1)[1].pp_comm for i in range(3)]
     assert times == pytest.approx([2 * 20_000 / 1e9, 2 * 20_000 / 1e8, 2 * 20_000 / 1e9], rel=EXACT)

@@ -126,9 +126,19 @@ def test_global_batch_must_divide_by_microbatches_times_each_layers_dp_and_the_m
     assert "multiple of 16" in str(err.value)
 
 
-def test_fewer_microbatches_than_stages_is_allowed_though_wasteful():
-    plan = Plan(num_devices=4, layers=(S(),) * 8, pp=4, microbatches=1)
-    assert plan.microbatches == 1
+def test_fewer_microbatches_than_stages_run_under_gpipe_only_and_1f1b_is_refused_while_the_plan_is_read():
+    plan = Plan(num_devices=4, layers=(S(),) * 8, pp=4, microbatches=1, schedule="gpipe")
+    assert plan.microbatches == 1  # allowed, though wasteful: torch's GPipe runs any count
+    with pytest.raises(InvalidPlanError, match=r"pp=2 mb=1: the 1F1B schedule runs at least as many micro-batches "
+                                               r"as stages; use mb=2 or more"):
+        Plan.parse("pp=2 mb=1", num_devices=2, num_layers=4)  # torch's Schedule1F1B would refuse it in every worker
+    with pytest.raises(InvalidPlanError, match="pp=4 mb=2"):
+        Plan(num_devices=4, layers=(S(),) * 8, pp=4, microbatches=2)
+
+
+def test_a_pipeline_written_without_mb_runs_one_micro_batch_per_stage():
+    assert Plan.parse("pp=2", num_devices=2, num_layers=4).microbatches == 2
+    assert Plan(num_devices=4, layers=(S(),) * 8, pp=4).microbatches == 4
 
 
 def test_empty_stages_become_the_even_split_with_the_extra_layers_in_the_earlier_stages():
@@ -224,9 +234,9 @@ def test_str_prints_the_pipeline_part_only_when_there_is_one_and_ranges_only_whe
 
     assert show("dp_shard=8 ac", 8, 4) == "dp_shard=8 ac"
     assert show("mb=4 | dp_shard=8", 8, 4) == "pp=1 mb=4 | dp_shard=8"
-    assert show("pp=2", 8, 4) == "pp=2 mb=1 schedule=1f1b | dp_replicate=4"
-    assert show("pp=2 stages=3+1 schedule=gpipe | tp=4", 8, 4) == "pp=2 mb=1 schedule=gpipe stages=3+1 | tp=4"
-    assert show("pp=2 stages=2+2 | tp=4", 8, 4) == "pp=2 mb=1 schedule=1f1b | tp=4"  # even split: not printed
+    assert show("pp=2", 8, 4) == "pp=2 mb=2 schedule=1f1b | dp_replicate=4"
+    assert show("pp=2 mb=1 stages=3+1 schedule=gpipe | tp=4", 8, 4) == "pp=2 mb=1 schedule=gpipe stages=3+1 | tp=4"
+    assert show("pp=2 stages=2+2 | tp=4", 8, 4) == "pp=2 mb=2 schedule=1f1b | tp=4"  # even split: not printed
     assert show("0-11: tp=2 ac; 12-23: dp_shard=2", 8, 24) == \
         "0-11: dp_replicate=4 tp=2 ac; 12-23: dp_replicate=4 dp_shard=2"
     assert show("0: dp_shard=4; 1-2: tp=4; 3: dp_shard=4", 4, 4) == "0: dp_shard=4; 1-2: tp=4; 3: dp_shard=4"
@@ -385,7 +395,7 @@ def random_plan(rng: random.Random) -> Plan:
     microbatches = rng.randint(1, 8)
     unit = math.lcm(*(microbatches * s.dp for s in layers))
     return Plan(num_devices=num_devices, layers=layers, pp=pp, microbatches=microbatches,
-                schedule=rng.choice(["1f1b", "gpipe"]), stages=stages,
+                schedule=rng.choice(["1f1b", "gpipe"]) if microbatches >= pp else "gpipe", stages=stages,
                 global_batch=rng.choice([None, unit * rng.randint(1, 4)]),
                 seq_len=rng.choice([None, 128, 4096]), model=rng.choice(["", "gpt2", "mod:make_model"]))
 

@@ -116,7 +116,8 @@ def parse_plan(text: str, *, num_devices: int, num_layers: int) -> dict:
     if num_devices % pp:
         raise InvalidPlanError(f"'pp={pp}' does not divide the {num_devices} devices; choose a pipeline degree "
                                f"that divides {num_devices}")
-    fields = {"pp": pp, "microbatches": pipe.get("mb", 1), "schedule": pipe.get("schedule", "1f1b"),
+    # without mb, a pipeline runs as many micro-batches as stages: the fewest its default schedule (1F1B) runs
+    fields = {"pp": pp, "microbatches": pipe.get("mb", pp), "schedule": pipe.get("schedule", "1f1b"),
               "stages": stages}
 
     segments = [s.strip() for s in layer_text.split(";") if s.strip()]

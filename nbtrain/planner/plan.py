@@ -37,7 +37,7 @@ class Plan:
         >>> plan.stages, plan.stage_of(3), plan.devices_per_stage
         ((3, 3), 1, 4)
         >>> print(plan)
-        pp=2 mb=1 schedule=1f1b | 0-4: dp_shard=4; 5: dp_replicate=2 tp=2
+        pp=2 mb=2 schedule=1f1b | 0-4: dp_shard=4; 5: dp_replicate=2 tp=2
         >>> Plan(num_devices=8, layers=(Strategy(dp_shard=2),) * 4)
         Traceback (most recent call last):
         ...
@@ -50,8 +50,9 @@ class Plan:
     """One strategy per profiled layer: index 0 is the embeddings, then the blocks, the last is the head."""
     pp: int = 1
     """Pipeline degree, the same for every layer: each stage runs on ``num_devices // pp`` devices."""
-    microbatches: int = 1
-    """Micro-batches per step (gradient accumulation steps when ``pp == 1``)."""
+    microbatches: int | None = None
+    """Micro-batches per step (gradient accumulation steps when ``pp == 1``); None: one per stage (``pp``), the
+    fewest 1F1B runs."""
     schedule: str = "1f1b"
     """Pipeline schedule: "1f1b" (stage i keeps pp − i micro-batches in flight) or "gpipe" (all of them).
     Normalised to "1f1b" when ``pp == 1``, where the two are the same gradient accumulation."""
@@ -91,10 +92,15 @@ class Plan:
                 f"layer {wrong[0]}: dp_replicate × dp_shard × tp × pp = {s.dp_replicate} × {s.dp_shard} × {s.tp} "
                 f"× {pp} = {s.devices * pp}, but the plan is for {n} devices; choose degrees whose product is {n}"
                 + more)
-        mb = plan_int(self.microbatches, "microbatches", "use at least one micro-batch")
+        mb = plan_int(pp if self.microbatches is None else self.microbatches, "microbatches",
+                      "use at least one micro-batch")
         schedule = str(self.schedule).lower()
         if schedule not in SCHEDULES:
             raise InvalidPlanError(f"schedule={self.schedule!r} is not valid: use '1f1b' or 'gpipe'")
+        if pp > 1 and schedule == "1f1b" and mb < pp:  # torch's Schedule1F1B refuses it in every worker
+            raise InvalidPlanError(f"pp={pp} mb={mb}: the 1F1B schedule runs at least as many micro-batches as "
+                                   f"stages; use mb={pp} or more (more micro-batches, a smaller bubble), or "
+                                   "schedule=gpipe, which runs any count")
         stages = tuple(self.stages) or even_split(len(layers), pp)
         text = "+".join(str(k) for k in stages)
         for k in stages:
