@@ -505,6 +505,31 @@ def _(e):
     return next(line for line in e.capsys.readouterr().out.splitlines() if line.startswith("note: "))
 
 
+AS_ROOT = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                             reason="gives a folder another owner (chown), which needs root")
+
+
+@case("a DCP checkpoint someone else owns, as the starting weights (`weights=`)", "Python", AS_ROOT)
+def _(e):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = e.root / "ckpt"
+    shutil.rmtree(folder, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # saved in one process
+        dcp.save(tiny_gpt().state_dict(), storage_writer=dcp.FileSystemWriter(folder))
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, 65534, 65534)  # another user's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tiny_gpt(), tiny_batches(1), steps=1, num_processes=1, plan="ac", weights=str(folder))
+    shown = [w for w in caught if "DCP checkpoint" in str(w.message)]
+    assert len(shown) == 1, [str(w.message) for w in caught]
+    return f"{shown[0].category.__name__}: {shown[0].message}"  # a notebook's `file:line: UserWarning: ...`
+
+
 case("export of a cell that needs earlier cells", "magic")(
     lambda e: e.magic("--gpus 2 --batch 4 -q --export run.ipynb", "model2 = nbtrain.GPT(cfg)\n",
                       before=TINY + "cfg = model.config"))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import psutil
@@ -235,3 +236,61 @@ def test_where_the_hostname_names_the_network_address_gloos_sockets_stay_on_loop
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith(f"{addresses[0]} "), done.stdout  # the hostname did name the network address
     assert "outside loopback: [] [] []" in done.stdout, done.stdout
+
+
+# -- checkpoints you did not write -----------------------------------------------------------------------------------
+
+AS_ROOT = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                             reason="gives a folder another owner (chown), which needs root")
+NOBODY = 65534  # another user's uid: the folder is theirs, not this user's
+
+
+def tiny_gpt():
+    from nbtrain.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16, tie_embeddings=False))
+
+
+def owned_by(uid: int, folder: Path) -> Path:
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, uid, uid)
+    return folder
+
+
+def dcp_checkpoint(folder: Path, model) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, no group
+        dcp.save(model.state_dict(), storage_writer=dcp.FileSystemWriter(folder))
+    return folder
+
+
+@AS_ROOT
+def test_a_dcp_checkpoint_someone_else_owns_warns_once_before_it_is_read(tmp_path):
+    from nbtrain.run.state.pretrained import resolve_weights
+
+    model = tiny_gpt()
+    theirs = owned_by(NOBODY, dcp_checkpoint(tmp_path / "theirs", model))
+    with pytest.warns(UserWarning, match=r"weights='.*/theirs' is a DCP checkpoint owned by .*, not you: reading it "
+                                         r"unpickles its \.metadata \(torch's format\), which runs any code"):
+        resolve_weights(str(theirs), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not again for the same folder, nor for one's own checkpoint
+        assert resolve_weights(str(theirs), model).kind == "dcp"
+        assert resolve_weights(str(dcp_checkpoint(tmp_path / "mine", model)), model).kind == "dcp"
+
+
+@AS_ROOT
+def test_a_hugging_face_folder_someone_else_owns_is_read_without_a_warning(tmp_path):
+    """safetensors files hold tensors and a JSON header: reading them runs no one's code."""
+    from safetensors.torch import save_file
+
+    from nbtrain.run.state.pretrained import resolve_weights
+
+    model = tiny_gpt()
+    (tmp_path / "theirs").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "theirs" / "model.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_weights(str(owned_by(NOBODY, tmp_path / "theirs")), model).kind == "safetensors"

@@ -19,10 +19,16 @@ and a checkpoint of the base model (``model.layers.0...`` against ``layers.0...`
 ``base_model_prefix``; a tensor of another floating dtype is converted as it is read. A folder that is missing or
 holds neither format, a tensor the model has and the files lack, another shape, or a dtype that cannot become the
 model's (integers into floats) is one :class:`~nbtrain.errors.InvalidArgumentError` naming it.
+
+Only read checkpoints you trust in the DCP format: its ``.metadata`` is a pickle (torch's format, read with
+``pickle.load``), and unpickling runs whatever code the file's author put in it. A Hugging Face folder is not: its
+safetensors files hold tensors and a JSON header. A DCP checkpoint in a folder this user does not own (someone
+else's, a download unpacked by another account) warns once per folder before it is read.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass, field, replace
@@ -75,6 +81,31 @@ def _folder(path: Path) -> tuple[str, Path]:
                                "save_pretrained writes) nor a DCP checkpoint (.metadata, as fit's save_dir writes)")
 
 
+_WARNED: set[str] = set()  # the DCP folders of other owners already warned about, in this process
+
+
+def _warn_if_not_ours(path: str, folder: Path) -> None:
+    """Warn, once per folder, before a DCP checkpoint that another user owns is read: reading it unpickles its
+    ``.metadata``, which runs the code its author put there (module docstring)."""
+    if not hasattr(os, "geteuid") or str(folder) in _WARNED:  # Windows: no owner ids to compare
+        return
+    metadata = folder / ".metadata"
+    uid = next((st.st_uid for st in (folder.stat(), metadata.stat()) if st.st_uid != os.geteuid()), None)
+    if uid is None:
+        return
+    _WARNED.add(str(folder))
+    try:
+        import pwd
+
+        owner = f"user {pwd.getpwuid(uid).pw_name!r}"
+    except (ImportError, KeyError):
+        owner = f"uid {uid}"
+    warnings.warn(f"weights={path!r} is a DCP checkpoint owned by {owner}, not you: reading it unpickles its "
+                  ".metadata (torch's format), which runs any code its author put there; load only a "
+                  "checkpoint you trust, or ask for the weights as a Hugging Face folder (safetensors files hold "
+                  "tensors only)", UserWarning, stacklevel=3)
+
+
 def _model_tensors(model: nn.Module) -> dict[str, list[str]]:
     """The model's parameters and persistent buffers: the first name of each → all its names (tied: several)."""
     names: dict[int, list[str]] = {}
@@ -94,6 +125,8 @@ def resolve_weights(weights, model: nn.Module) -> Weights:
     name of every tensor to read; raises :class:`InvalidArgumentError` with what is wrong (module docstring)."""
     weights = weights if isinstance(weights, Weights) else Weights(str(weights))
     kind, folder = _folder(Path(weights.path).expanduser())
+    if kind == "dcp":
+        _warn_if_not_ours(weights.path, folder)
     if kind == "safetensors":
         try:
             import safetensors  # noqa: F401  (torch's reader needs it; transformers brings it)
