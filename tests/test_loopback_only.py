@@ -6,7 +6,8 @@ tests list the listening sockets of this process (the kernel) and of every proce
 (``psutil``), through each way nbtrain launches: ``launch``, ``%%autoparallel --launch``, ``verify``, a run that
 switches layouts, and the spawned workers of the machine's measurements; connect to the store's port through a
 non-loopback address of this machine, which must be refused; and launch where the hostname names the machine's
-network address, where gloo listens unless told otherwise.
+network address, where gloo listens unless told otherwise. Last, the other way in: a DCP checkpoint's metadata is a
+pickle, so starting from one that another user owns warns first.
 """
 
 from __future__ import annotations
