@@ -13,7 +13,7 @@ and a ``relayout[c_prev, c]`` matrix of seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class Frontier:
     parent: np.ndarray
     """Index of the partial plan this one extends, in ``previous``."""
     previous: "Frontier | None"
+    _fastest: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def start(cls) -> "Frontier":
@@ -50,23 +51,42 @@ class Frontier:
 
         With ``grid > 0`` and more than :data:`EXACT_LIMIT` partial plans, plans of one layout and transient whose
         resident memory falls in the same ``grid``-byte cell are merged, keeping the fastest with its true memory:
-        never over the budget, and within one cell of memory of the exact optimum.
+        never over the budget, and within one cell of memory of the exact optimum (:func:`_merged`).
         """
-        n, s = len(self), len(time)
-        mem = (self.memory[:, None] + resident[None, :]).ravel()
-        peak = np.maximum(self.transient[:, None], transient[None, :]).ravel()
-        switch = relayout[self.layout][:, layout] if self.previous is not None else np.zeros((n, s))
-        t = (self.time[:, None] + time[None, :] + switch).ravel()
-        lay = np.broadcast_to(layout[None, :], (n, s)).ravel()
+        s = len(time)
         ids = np.arange(s) if ids is None else ids  # the strategy index recorded for each column
-        strat = np.broadcast_to(ids[None, :], (n, s)).ravel()
-        parent = np.broadcast_to(np.arange(n)[:, None], (n, s)).ravel()
+        mem = self.memory[:, None] + resident[None, :]
+        peak = np.maximum(self.transient[:, None], transient[None, :])
         ok = mem + peak <= budget
+        if grid > 0 and np.count_nonzero(ok) > EXACT_LIMIT:
+            t = self.time[:, None] + time[None, :]
+            if self.previous is not None:
+                t = t + relayout[self.layout][:, layout]
+            ranks = np.unique(np.concatenate([self.transient, transient]))  # the transients, by rank
+            peak_rank = np.maximum(np.searchsorted(ranks, self.transient)[:, None],
+                                   np.searchsorted(ranks, transient)[None, :])
+            keep = _merged(mem, t, layout, peak_rank, ok, len(ranks), grid, budget)
+            parent, column = np.divmod(keep, s)
+            return Frontier(mem.ravel()[keep], peak.ravel()[keep], t.ravel()[keep], layout[column], ids[column],
+                            parent, self)
         idx = np.flatnonzero(ok)
-        if grid > 0 and len(idx) > EXACT_LIMIT:
-            idx = idx[_fastest_per_cell(mem[idx], peak[idx], t[idx], lay[idx], grid)]
-        idx = idx[_non_dominated(mem[idx], peak[idx], t[idx], lay[idx])]
-        return Frontier(mem[idx], peak[idx], t[idx], lay[idx], strat[idx], parent[idx], self)
+        parent, column = np.divmod(idx, s)
+        mem, peak = mem.ravel()[idx], peak.ravel()[idx]
+        t = self.time[parent] + time[column]
+        if self.previous is not None:
+            t = t + relayout[self.layout[parent], layout[column]]
+        lay = layout[column]
+        keep = _non_dominated(mem, peak, t, lay)
+        return Frontier(mem[keep], peak[keep], t[keep], lay[keep], ids[column[keep]], parent[keep], self)
+
+    def fastest_by_layout(self, layouts: int) -> np.ndarray:
+        """The least time of a partial plan ending in each layout (``inf`` where none does), computed once."""
+        if self._fastest is None:
+            fastest = np.full(layouts, np.inf)
+            if self.previous is not None and len(self):
+                np.minimum.at(fastest, self.layout, self.time)
+            self._fastest = fastest
+        return self._fastest
 
     def strategies(self, index: int) -> list[int]:
         """The strategy index of every layer of the partial plan ``index``, first layer first."""
@@ -82,16 +102,58 @@ EXACT_LIMIT = 4096
 """Up to this many candidate partial plans per layer the frontier is exact; beyond it the memory grid applies."""
 
 
-def _fastest_per_cell(mem, peak, t, lay, grid: float) -> np.ndarray:
-    """Index of the fastest point in each (layout, transient, memory // grid) cell."""
-    _, peak_id = np.unique(peak, return_inverse=True)
-    cells = np.floor(mem / grid).astype(np.int64)
-    key = (lay.astype(np.int64) * (peak_id.max() + 1) + peak_id) * (cells.max() + 1) + cells
-    best = np.full(int(key.max()) + 1, np.inf)
-    np.minimum.at(best, key, t)
-    winners = np.flatnonzero(t == best[key])
-    _, first = np.unique(key[winners], return_index=True)  # one per cell when times tie
-    return winners[first]
+def _merged(mem, t, layout, peak_rank, ok, peaks: int, grid: float, budget: float) -> np.ndarray:
+    """The flat indices of the partial plans kept of ``mem``, ``t`` (previous plan × strategy) in the grid: the
+    fastest of each (layout, transient, memory cell) among those within the budget (``ok``; ties: the first), less
+    any other winner of its layout with no larger transient beats: one of a lower memory cell with a time not
+    larger (its memory is lower), or one of its own cell with memory and time not larger. Winners are distinct
+    cells, so no two are equal, and in (layout, transient, cell) order they are in (layout, transient, memory,
+    time) order: the points and order of the exhaustive rule (``_fastest_per_cell`` then :func:`_non_dominated`,
+    ``tests/test_frontier.py``), with no comparison sort of the candidates.
+    """
+    cells = int(np.floor(budget / grid)) + 1  # a plan within the budget is in a cell below this
+    shape = (int(layout.max()) + 1, peaks, cells)
+    key = (layout.astype(np.int64)[None, :] * peaks + peak_rank) * cells + \
+        np.minimum(np.floor(mem / grid), cells - 1).astype(np.int64)
+    key = np.where(ok, key, np.prod(shape)).ravel()  # over the budget: one cell past the others, dropped
+    order = _stable_order(key)
+    order = order[:np.searchsorted(key[order], np.prod(shape))]  # those within the budget, by cell
+    sorted_key, sorted_t = key[order], t.ravel()[order]
+    starts = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
+    fastest = np.minimum.reduceat(sorted_t, starts)
+    sizes = np.diff(np.r_[starts, len(order)])
+    first = np.where(sorted_t == np.repeat(fastest, sizes), np.arange(len(order)), len(order))
+    winners = order[np.minimum.reduceat(first, starts)]  # the first fastest of each cell, by cell
+    w_lay, w_peak, w_cell = np.unravel_index(sorted_key[starts], shape)
+    w_t, w_mem = fastest, mem.ravel()[winners]
+    # a winner of a lower cell and no larger transient, with a time not larger
+    grid_t = np.full(shape, np.inf)
+    grid_t[w_lay, w_peak, w_cell] = w_t
+    below = np.minimum.accumulate(np.minimum.accumulate(grid_t, axis=1), axis=2)
+    below = np.concatenate([np.full(shape[:2] + (1,), np.inf), below[:, :, :-1]], axis=2)
+    dominated = below[w_lay, w_peak, w_cell] <= w_t
+    # a winner of the same cell and a lower transient, with memory and time not larger
+    column = np.ravel_multi_index((w_lay, w_cell), (shape[0], shape[2]))
+    by_column = np.lexsort((w_peak, column))
+    col_sorted = column[by_column]
+    heads = np.flatnonzero(np.r_[True, col_sorted[1:] != col_sorted[:-1]])
+    head_of = np.repeat(heads, np.diff(np.r_[heads, len(by_column)]))
+    before = np.arange(len(by_column)) - head_of  # winners of the same cell ahead of each, by transient
+    if before.sum():
+        later = np.repeat(np.arange(len(by_column)), before)
+        ahead = np.arange(len(later)) - np.repeat(np.cumsum(before) - before, before) + head_of[later]
+        j, q = by_column[later], by_column[ahead]
+        beaten = (w_mem[q] <= w_mem[j]) & (w_t[q] <= w_t[j])
+        dominated[j[beaten]] = True
+    return winners[~dominated]
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for keys below 2³², by radix sorts of 16 bits (linear time)."""
+    if key.max() < 2**16:
+        return np.argsort(key.astype(np.uint16), kind="stable")
+    low = np.argsort((key & 0xFFFF).astype(np.uint16), kind="stable")
+    return low[np.argsort((key[low] >> 16).astype(np.uint16), kind="stable")]
 
 
 def _non_dominated(mem: np.ndarray, peak: np.ndarray, t: np.ndarray, lay: np.ndarray) -> np.ndarray:
