@@ -54,12 +54,14 @@ class PlannedModel:
 
 def plan_and_compare(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
                      memory=None, strategy: str | None = None, top: int = 3,
-                     options: SearchOptions = SearchOptions(),
-                     cost_options: CostOptions = CostOptions()) -> PlannedModel:
-    """Plan ``profile`` for ``cluster`` (:func:`~nbtrain.planner.recommend.plan`) and predict the baselines beside it
-    under the same memory budget and cost options (the allocator headroom among them)."""
+                     options: SearchOptions = SearchOptions(), cost_options: CostOptions = CostOptions(),
+                     search_seconds: float | None = None, progress=None) -> PlannedModel:
+    """Plan ``profile`` for ``cluster`` (:func:`~nbtrain.planner.recommend.plan`, with its time budget and progress
+    reports) and predict the baselines beside it under the same memory budget and cost options (the allocator
+    headroom among them)."""
     best = plan(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=memory, strategy=strategy,
-                top=top, options=options, cost_options=cost_options)
+                top=top, options=options, cost_options=cost_options, search_seconds=search_seconds,
+                progress=progress)
     known = baselines(profile, cluster, global_batch=global_batch, seq_len=seq_len or profile.seq_len,
                       memory=best.predicted.budget_bytes, cost_options=cost_options)
     return PlannedModel(profile, cluster, best, known, "your plan" if strategy else "recommended")

@@ -13,11 +13,14 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 
 from nbtrain.checks import positive_int, power_of_two_divisors
 from nbtrain.errors import InvalidPlanError, NoFeasiblePlanError
+from nbtrain.planner.anytime import PROVISIONAL, provisional_note
 from nbtrain.planner.cost import CostModel, CostOptions
+from nbtrain.planner.cost_tables import shared_cost_model
 from nbtrain.planner.reserve import HEADROOM_PART, headroom_label
 from nbtrain.planner.reach import cuts_stages, executor_problem, keeps_tie_whole
 from nbtrain.planner.offload_note import best_without_offload, offload_note
@@ -69,8 +72,8 @@ def baselines(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq
         if strategy.tp > 1 and profile.arch.get("no_tensor_parallel"):
             out.append(Baseline(name, None, profile.arch["no_tensor_parallel"]))
             continue
-        model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
-                          options=options)
+        model = shared_cost_model(profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                                  budget_bytes=memory, options=options)
         variants = []
         for m in (2**k for k in range(global_batch.bit_length())):
             if m < pp or global_batch % (m * strategy.dp):
@@ -96,10 +99,14 @@ def baselines(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq
 
 def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None, memory=None,
          strategy: str | None = None, top: int = 3, options: SearchOptions = SearchOptions(),
-         cost_options: CostOptions = CostOptions()) -> Plan:
+         cost_options: CostOptions = CostOptions(), search_seconds: float | None = None, progress=None) -> Plan:
     """The fastest plan that fits ``memory`` per device (default: the device's), with its prediction and the
     next best ``top − 1`` alternatives. ``strategy`` evaluates a typed plan instead of searching (with a note when
     the executor cannot run it).
+
+    ``search_seconds``: once the search has run that long and found a plan, the best found so far is
+    recommended, with a note that says so first (:func:`provisional`); ``progress`` is told where the search
+    stands after each sub-problem (:class:`~nbtrain.planner.anytime.Progress`).
 
     ``memory`` is each device's whole memory: the reserve (the CUDA context and NCCL's buffers, 1 GiB per GPU of
     a multi-GPU cluster; :func:`nbtrain.planner.reserve.reserve_parts`) comes out of it before the model, and the
@@ -123,19 +130,21 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
     if strategy is not None:
         typed = Plan.parse(strategy, num_devices=cluster.num_devices, num_layers=len(profile.layers),
                            global_batch=global_batch, seq_len=seq_len, model=profile.model)
-        model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
-                          options=cost_options)
+        model = shared_cost_model(profile, cluster, global_batch=global_batch, seq_len=seq_len,
+                                  budget_bytes=budget, options=cost_options)
         problem = executor_problem(profile, typed)
         notes = (f"nbtrain's executor cannot run this plan yet: {problem}",) if problem else ()
         return typed.replace(predicted=model.estimate(typed), notes=notes)
+    deadline = time.monotonic() + search_seconds if search_seconds is not None else None
     found = search(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=budget, top=top,
-                   options=options, cost_options=cost_options)
+                   options=options, cost_options=cost_options, deadline=deadline, progress=progress)
     # the baselines are plans too: the recommendation is never slower than one that fits
     known = [b.plan for b in baselines(profile, cluster, global_batch=global_batch, seq_len=seq_len,
                                        memory=budget, cost_options=cost_options)
              if b.fits and b.options == cost_options and not executor_problem(profile, b.plan)]
     ranked = sorted(found + [p for p in known if p not in found], key=lambda p: p.predicted.step_time_s)
-    notes = (f"tensor parallelism was not searched: {profile.arch['no_tensor_parallel']}",) \
+    notes = tuple(note for note in [provisional_note(found, search_seconds)] if note)
+    notes += (f"tensor parallelism was not searched: {profile.arch['no_tensor_parallel']}",) \
         if profile.arch.get("no_tensor_parallel") else ()
     if not ranked:
         lean = leanest(profile, cluster, global_batch=global_batch, seq_len=seq_len, memory=budget,
@@ -143,8 +152,8 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
         if lean is not None and lean.predicted.fits:  # the search missed it (its merged frontier): take it
             return lean.replace(predicted=lean.predicted, notes=notes)
         raise NoFeasiblePlanError(_no_fit_message(profile, cluster, global_batch, lean, options))
-    model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
-                      options=cost_options)
+    model = shared_cost_model(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=budget,
+                              options=cost_options)
     ranked += [p for p in _uniform_variants(model, ranked[0]) + _without_sp(model, ranked[0])
                if p not in ranked and p.predicted.fits and not executor_problem(profile, p)]
     ranked.sort(key=lambda p: p.predicted.step_time_s)
@@ -165,6 +174,11 @@ def plan(profile, cluster: Cluster, *, global_batch: int, seq_len: int | None = 
                   f"{ranked[0]}, is {gain:.2%} faster (alternative 1)" +
                   (f" but fills its memory to within {EDGE:.0%}" if why != "simplest" else ""),)
     return best.replace(predicted=best.predicted, alternatives=rest, notes=notes)
+
+
+def provisional(plan: Plan) -> bool:
+    """Whether ``plan`` is the best a search cut short by its time budget had found (its note says so)."""
+    return any(note.startswith(PROVISIONAL) for note in plan.notes)
 
 
 NEAR = 0.02

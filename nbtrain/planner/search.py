@@ -16,180 +16,31 @@ split that many ways. Per stage, :mod:`.frontier` finds the fastest strategies u
 exactly. Stage boundaries are chosen exactly too: ``Σᵢ Tᵢ + (m − 1)·maxᵢ Tᵢ`` is minimised over every partition by
 fixing the largest stage time ``τ`` (each candidate at once, vectorised) and minimising the sum of stage times
 under it — the balance of time *and* memory that Galvatron-BMW's paper asks for, where its public code splits
-evenly. Tasks are visited in order of a lower bound on their step time and skipped once the bound cannot beat
-the ``top`` plans found.
+evenly. Tasks are visited in order of a lower bound on their step time, tightened as they come up (the blocks'
+prices alone, then every layer's, then through the stages: :mod:`.solver`), and skipped once the bound cannot beat
+the ``top`` plans found; inside a task, stage ranges whose bound cannot beat a known step are not priced. Every
+bound is below what it bounds, so the answer is the exhaustive one (``tests/test_search_exact.py``) and the one the
+search gave before it had bounds (``tests/test_plan_speed_same_plans.py``). The layers are priced once per model
+and cluster (:mod:`.cost_tables`), shared with the next search; a ``deadline`` stops the search once it has a plan
+(:mod:`.anytime`).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
 
 import numpy as np
 
+from nbtrain.planner.anytime import Clock, Found
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.frontier import Frontier
+from nbtrain.planner.cost_tables import shared_cost_model
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole, tie_crosses_stages
 from nbtrain.planner.search_space import SearchOptions, Task, tasks
+from nbtrain.planner.solver import SAFETY, Solver
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import QUANTITIES, ModelProfile
-
-
-class _Solver:
-    """Everything one task needs: per-layer cost arrays, cached stage frontiers, the partition."""
-
-    def __init__(self, model: CostModel, task: Task, budget: float, kinds: list[int], grid: float,
-                 forced: dict[int, int] | None = None):
-        self.model, self.task, self.budget, self.grid = model, task, budget, grid
-        self.forced = forced or {}
-        """Layer index → the one strategy index it must take (a tied embedding and head share one)."""
-        self.profile = model.profile
-        self.kind = kinds  # layers of equal kind cost the same: they share tables and cached frontiers
-        reps = {k: kinds.index(k) for k in sorted(set(kinds))}
-        m = task.microbatches
-        self.costs = {k: [model.layer(i, s, m, task.pp) for s in task.space] for k, i in reps.items()}
-        layouts = [task.space[list(task.layout_of).index(c)] for c in range(len(task.layouts))]
-        self.relayout = {k: np.array([[model.relayout(i, a, b, m) for b in layouts] for a in layouts])
-                         for k, i in reps.items()}
-        self.p2p = {k: np.array([[model.p2p(i, s, m, task.pp, stage) for s in layouts] for stage in range(task.pp)])
-                    for k, i in reps.items()}
-        self.time = {k: np.array([c.time.total for c in v]) for k, v in self.costs.items()}
-        self.transient = {k: np.array([c.transient for c in v]) for k, v in self.costs.items()}
-        self.allowed = self._host_fits()
-        self.useful = {k: self._undominated(k) for k in self.costs}
-        self.lower_bound = self._lower_bound()
-        self._cache: dict = {}
-
-    def _lower_bound(self) -> float:
-        """A bound no plan of this task can beat: Lagrangian relaxation of the memory limit.
-
-        Dropping re-layouts, transfers and transients (all ≥ 0) and replacing each stage's memory limit by one on
-        the total (≤ pp × budget, with one micro-batch in flight) only enlarges the set of plans; for any λ ≥ 0,
-        ``Σ_layers min_j (t_j + λ·m_j) − λ·pp·budget`` then bounds the sum of stage times from below.
-        """
-        lambdas = np.concatenate([[0.0], np.geomspace(1e-15, 1e-6, 40)])  # seconds per byte
-        bound = np.full(len(lambdas), -lambdas * self.task.pp * self.budget)
-        best = {}
-        for i, k in enumerate(self.kind):
-            res, time = self.resident(k, 1), self.time[k]
-            if i in self.forced:  # a layer with one allowed strategy contributes exactly that strategy
-                j = self.forced[i]
-                bound += time[j] + lambdas * res[j]
-                continue
-            if k not in best:
-                best[k] = np.min(time[None, :] + lambdas[:, None] * res[None, :], axis=1)
-            bound += best[k]
-        per_microbatch = max(float(bound.max()), 0.0)
-        return per_microbatch * (1 + (self.task.microbatches - 1) / self.task.pp)
-
-    def _host_fits(self) -> np.ndarray:
-        """Strategies that fit the host memory even in the worst case.
-
-        Offloaded optimizer state adds up over a stage's layers in host memory. Rather than carry host memory as a
-        third resource through the frontier, strategies are admitted from the least host-hungry up (by host bytes
-        per byte of optimizer state: the offloaded fraction over the shard degree, 0 without offload) while every
-        layer taking its most host-hungry admitted strategy still fits: exact whenever the host is not the limit
-        (hosts have far more memory than devices), and never a plan over the host's memory when it is. (Admitting
-        a whole offload level at once, as before, refused ZeRO-3 offload over 8 devices because DDP's unsharded
-        offload at that level would not fit.)
-        """
-        host = {k: np.array([c.host_bytes for c in v]) for k, v in self.costs.items()}
-        share = np.array([s.offload / s.dp_shard for s in self.task.space])
-        allowed = share == 0
-        for t in np.unique(share[share > 0]):
-            admitted = share <= t
-            worst = sum(float(host[k][admitted].max()) for k in self.kind)
-            if worst > self.model.host_budget:
-                break
-            allowed = admitted
-        return allowed
-
-    def _undominated(self, kind: int) -> np.ndarray:
-        """Strategies of a layer kind that no other strategy of the same layout beats in every cost (resident
-        memory, activations, transient, time); removing the others cannot change the optimum."""
-        costs = self.costs[kind]
-        crit = np.array([[c.memory.total - c.activations, c.activations, c.transient, c.time.total] for c in costs])
-        lay = self.task.layout_of
-        keep = []
-        for j in np.flatnonzero(self.allowed):
-            no_worse = self.allowed & (lay == lay[j]) & np.all(crit <= crit[j], axis=1)
-            better = np.any(crit < crit[j], axis=1) | (np.arange(len(costs)) < j)  # ties: keep the first
-            if not np.any(no_worse & better):
-                keep.append(j)
-        return np.array(keep)
-
-    def resident(self, kind, in_flight: int) -> np.ndarray:
-        key = (kind, in_flight)
-        if key not in self.task.tables:
-            self.task.tables[key] = np.array([c.resident(in_flight) for c in self.costs[kind]])
-        return self.task.tables[key]
-
-    def frontier(self, start: int, end: int, in_flight: int) -> Frontier:
-        """Pareto frontier of the stage holding layers ``[start, end)``, cached by the layers' kinds."""
-        key = (tuple(self.kind[start:end]), in_flight)
-        if key in self._cache:
-            return self._cache[key]
-        prev = Frontier.start() if end - start == 0 else self.frontier(start, end - 1, in_flight)
-        if end - start == 0:
-            self._cache[key] = prev
-            return prev
-        k = self.kind[end - 1]
-        use = np.array([self.forced[end - 1]]) if end - 1 in self.forced else self.useful[k]
-        result = prev.extend(self.resident(k, in_flight)[use], self.transient[k][use], self.time[k][use],
-                             self.task.layout_of[use], self.relayout[k], self.budget, self.grid, use)
-        self._cache[key] = result
-        return result
-
-    def stage_best(self, start: int, end: int, stage: int) -> tuple[float, int]:
-        """(time per micro-batch, point index) of the fastest fitting plan for ``stage`` over layers
-        ``[start, end)``, or (inf, -1)."""
-        f = self.frontier(start, end, self.in_flight(stage))
-        if len(f) == 0 or f.previous is None:
-            return np.inf, -1
-        last = stage == self.task.pp - 1
-        t = f.time + (0.0 if last else self.p2p[self.kind[end - 1]][stage][f.layout]) + \
-            (self.model.schedule_overhead() if self.task.pp > 1 else 0.0)
-        i = int(np.argmin(t))
-        return float(t[i]), i
-
-    def in_flight(self, stage: int) -> int:
-        return self.model.in_flight(stage, self.task.pp, self.task.microbatches, self.task.schedule)
-
-    def solve(self) -> tuple[float, list[tuple[int, int]], list[int]] | None:
-        """Best (step time, stage ranges, strategy index per layer), or None when nothing fits."""
-        n, pp, m = len(self.profile.layers), self.task.pp, self.task.microbatches
-        # T[i][a][e]: best time of stage i over layers [a, e)
-        T = np.full((pp, n + 1, n + 1), np.inf)
-        for i in range(pp):
-            for a in ([0] if i == 0 else range(i, n - (pp - 1 - i))):
-                ends = [n] if i == pp - 1 else range(a + 1, n - (pp - 2 - i))
-                for e in ends:
-                    T[i, a, e] = self.stage_best(a, e, i)[0]
-        taus = np.unique(T[np.isfinite(T)])
-        if len(taus) == 0:
-            return None
-        # best[a]: over τ, the least sum of stage times of stages 0..i ending at a, every stage time ≤ τ
-        best = np.where(T[0, 0, :, None] <= taus[None, :], T[0, 0, :, None], np.inf)  # (n+1, τ)
-        choice = []
-        for i in range(1, pp):
-            allowed = np.where(T[i, :, :, None] <= taus[None, None, :], T[i, :, :, None], np.inf)  # (a, e, τ)
-            total = best[:, None, :] + allowed
-            choice.append(np.argmin(total, axis=0))  # (e, τ) → a
-            best = np.min(total, axis=0)
-        objective = best[n] + (m - 1) * taus
-        j = int(np.argmin(objective))
-        if not np.isfinite(objective[j]):
-            return None
-        bounds = [n]
-        for i in range(pp - 1, 0, -1):
-            bounds.append(int(choice[i - 1][bounds[-1], j]))
-        bounds.append(0)
-        ranges = list(zip(bounds[::-1][:-1], bounds[::-1][1:]))
-        chosen: list[int] = []
-        for i, (a, e) in enumerate(ranges):
-            _, point = self.stage_best(a, e, i)
-            chosen += self.frontier(a, e, self.in_flight(i)).strategies(point)
-        return float(objective[j]), ranges, chosen
 
 
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
@@ -203,7 +54,7 @@ def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
 
 
 def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: float,
-             mixed: bool = True) -> list[_Solver]:
+             mixed: bool = True) -> list[Solver]:
     """One solver per task the search may take; a tied embedding and head get one per strategy they may share
     (no TP: the executor keeps the shared weight whole, in one FSDP group)."""
     profile = model.profile
@@ -211,58 +62,89 @@ def _solvers(model: CostModel, options: SearchOptions, budget: float, grid: floa
     out = []
     for task in tasks(model, _allowed(profile, options), mixed):
         if not is_tied(profile):
-            out.append(_Solver(model, task, budget, kinds, grid))
+            out.append(Solver(model, task, budget, kinds, grid))
             continue
         last = len(profile.layers) - 1
         shared = [j for j, s in enumerate(task.space) if s.tp == 1 or not keeps_tie_whole(profile)]
-        candidates = [_Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
+        candidates = [Solver(model, task, budget, kinds, grid, forced={0: j, last: j}) for j in shared]
         out += [c for c in candidates if c.allowed[c.forced[0]]]  # its offload level must fit the host
     return out
 
 
 def search(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,
            memory: float | None = None, top: int = 3, options: SearchOptions = SearchOptions(),
-           cost_options: CostOptions = CostOptions()) -> list[Plan]:
-    """The ``top`` fastest distinct plans that fit, each with ``predicted`` set, best first."""
-    model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
-                      options=cost_options)
+           cost_options: CostOptions = CostOptions(), deadline: float | None = None, progress=None) -> Found:
+    """The ``top`` fastest distinct plans that fit, each with ``predicted`` set, best first.
+
+    ``deadline`` (a ``time.monotonic()`` time): stop there once a plan is found, with ``complete`` False on the
+    answer (:class:`~nbtrain.planner.anytime.Found`); ``progress`` is called with a
+    :class:`~nbtrain.planner.anytime.Progress` after each sub-problem."""
+    clock = Clock(deadline, progress)
+    model = shared_cost_model(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
+                              options=cost_options)
     budget = model.budget - model.reserve
     found: list[tuple[float, Plan]] = []
     kinds = layer_kinds(profile)
-    if budget <= 0:  # the reserve alone fills the budget: nothing fits (recommend.py says so)
-        return []
-    grid = budget / options.memory_grid if options.memory_grid else 0.0
-    # offload mixed with TP only where nothing fits without the mix: their union is ~3x the search's work
-    for mixed in (False, True):
-        if not found:
-            _solve(model, _solvers(model, options, budget, grid, mixed), found, top, kinds, global_batch)
-    return [plan for _, plan in found[:top]]
+    result = Found()
+    if budget > 0:  # else the reserve alone fills the budget: nothing fits (recommend.py says so)
+        grid = budget / options.memory_grid if options.memory_grid else 0.0
+        # offload mixed with TP only where nothing fits without the mix: their union is ~3x the search's work
+        for mixed in (False, True):
+            if not found:
+                result.left = _solve(model, _solvers(model, options, budget, grid, mixed), found, top, kinds,
+                                     global_batch, clock)
+                result.complete = result.left == 0
+    result += [plan for _, plan in found[:top]]
+    result.elapsed_s = clock.elapsed()
+    return result
 
 
-def _solve(model: CostModel, solvers: list[_Solver], found: list, top: int, kinds: list[int],
-           global_batch: int) -> None:
+def _solve(model: CostModel, solvers: list[Solver], found: list, top: int, kinds: list[int],
+           global_batch: int, clock: Clock) -> int:
     """Solve ``solvers``' tasks into ``found`` (step time, plan), fastest first, until no task can beat the ``top``
-    found: tasks are visited by a lower bound on their step time (no memory limit, no re-layouts or transfers)."""
+    found. Tasks wait by a lower bound on their step time (of equal bounds, the first task first), and the least
+    is taken: a bound from the blocks' prices alone (:meth:`Solver.partial_bound`), then once the task is priced in
+    full the Lagrangian over all its layers (:attr:`Solver.lower_bound`), then the bound through its stages
+    (:meth:`Solver.bounds`); a task is solved when its tightest bound is still the least. Every bound is below the
+    task's best step, so once the least cannot beat the ``top``-th plan found no task left can, and a task priced
+    or bounded no further than needed gives the same plans. Returns the tasks left when the clock ran out (0:
+    none)."""
     profile, cluster = model.profile, model.cluster
-    solvers.sort(key=lambda solver: solver.lower_bound)
-    for solver in solvers:
-        if len(found) >= top and solver.lower_bound >= found[top - 1][0]:
+    waiting = [(solver.partial_bound(), i, 0) for i, solver in enumerate(solvers)]
+    heapq.heapify(waiting)
+    solved = ruled_out = 0
+    while waiting:
+        bound, i, step = heapq.heappop(waiting)
+        solver = solvers[i]
+        if len(found) >= top and bound >= found[top - 1][0]:
+            ruled_out += 1 + len(waiting)
             break
-        task = solver.task
-        solved = solver.solve()
-        if solved is None:
+        if step < 2 and (step == 0 or solver.prune):  # a tighter bound first: it may wait behind others
+            heapq.heappush(waiting, (max(bound, solver.lower_bound if step == 0 else solver.bounds()[0]), i,
+                                     step + 1 if solver.prune else 2))
             continue
-        _, ranges, chosen = solved
+        if found and clock.out_of_time():
+            return 1 + sum(1 for b, _, _ in waiting if len(found) < top or b < found[top - 1][0])
+        limit = found[top - 1][0] * (1 + SAFETY) if len(found) >= top else np.inf
+        task = solver.task
+        solution = solver.solve(limit)
+        solved += 1
+        if solution is None or solution[0] > limit:  # above the top-th: where it may be inexact, never kept
+            clock.report(solved, ruled_out, len(solvers), found[0][0] if found else None)
+            continue
+        _, ranges, chosen = solution
         chosen = _tidy(chosen, task, kinds, ranges)
         plan = Plan(num_devices=cluster.num_devices, layers=one_expert_degree(profile, [task.space[j] for j in chosen]),
                     pp=task.pp, microbatches=task.microbatches, schedule=task.schedule,
                     stages=tuple(e - a for a, e in ranges), global_batch=global_batch,
                     seq_len=model.seq_len, model=profile.model)
         prediction = model.estimate(plan)
-        if any(plan == other for _, other in found):
-            continue
-        found.append((prediction.step_time_s, plan.replace(predicted=prediction)))
-        found.sort(key=lambda x: x[0])
+        if not any(plan == other for _, other in found):
+            found.append((prediction.step_time_s, plan.replace(predicted=prediction)))
+            found.sort(key=lambda x: x[0])
+        clock.report(solved, ruled_out, len(solvers), found[0][0])
+    clock.report(solved, ruled_out, len(solvers), found[0][0] if found else None)
+    return 0
 
 
 def layer_kinds(profile: ModelProfile) -> list[int]:
@@ -317,8 +199,8 @@ def leanest(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_l
     Per task (pp, micro-batches, schedule, space) with its stages split evenly, each stage's memory is
     ``Σ resident + max transient``; it is least for the ``T`` among the transients that minimises ``T`` plus, per
     layer, the least resident bytes of a strategy whose transient is at most ``T``: exact for that split."""
-    model = CostModel(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
-                      options=cost_options)
+    model = shared_cost_model(profile, cluster, global_batch=global_batch, seq_len=seq_len, budget_bytes=memory,
+                              options=cost_options)
     best = None
     for solver in _solvers(model, options, max(model.budget - model.reserve, 1.0), 0.0):
         task = solver.task
