@@ -6,6 +6,7 @@
     $ nbtrain profile mypkg.models:build --measure            # time the layers on this machine too
     $ nbtrain plan llama-7b --gpus 8 --memory 24GiB --batch 64 --seq 2048     # the fastest plan that fits
     $ nbtrain plan llama-7b --gpus 8 --batch 64 --seq 2048 --strategy "dp_shard=8 ac"   # evaluate a typed plan
+    $ nbtrain plan llama-70b --gpus 1024 --batch 2048 --seq 4096 --search-seconds 5     # the best found in 5 s
     $ nbtrain verify llama-tiny --strategy "pp=2 mb=2 | dp_shard=2" --processes 4    # trains like one process?
     $ nbtrain cluster H100 --gpus 16                          # a cluster from the device catalog
     $ nbtrain cluster --detect                                # measure this machine
@@ -74,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument(*flag.names, **flag.options)
     q.add_argument("--cluster", default=None, metavar="FILE",
                    help="plan for the cluster saved in FILE (nbtrain cluster ... --save FILE) instead of --gpu/--gpus")
+    q.add_argument("--search-seconds", type=_positive_float, default=None, metavar="S",
+                   help="once the search has run S seconds and found a plan, recommend the best found so far, "
+                        "with a note that says so (default: search until the best is certain)")
     q.add_argument("--json", action="store_true", help="print JSON instead of tables")
     q.set_defaults(run=_plan)
 
@@ -175,7 +179,7 @@ def _plan(args) -> None:
     from nbtrain.planner.search_space import SearchOptions
     from nbtrain.units import parse_fraction
     from nbtrain.profiler.hardware import Cluster
-    from nbtrain.profiler.model import profile
+    from nbtrain.profiler.profile_cache import preset_profile
 
     described = args.gpus is not None or args.gpu is not None or args.gpus_per_node is not None
     if args.cluster and described:
@@ -189,12 +193,17 @@ def _plan(args) -> None:
     else:
         cluster = Cluster.this_machine(2, progress=None if args.json else print)
 
-    prof = profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)
+    prof = preset_profile(args.model, batch_size=1, seq_len=args.seq, dtype=args.dtype)  # a preset's, once
     headroom = parse_fraction(args.headroom, "--headroom") if args.headroom is not None else None
     options = SearchOptions() if args.offload else SearchOptions(offload_levels=(0.0,))
-    job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
-                           strategy=args.strategy, top=args.top, options=options,
-                           cost_options=CostOptions(headroom=headroom))
+    line = ProgressLine(sys.stderr)
+    try:
+        job = plan_and_compare(prof, cluster, global_batch=args.batch, seq_len=prof.seq_len, memory=args.memory,
+                               strategy=args.strategy, top=args.top, options=options,
+                               cost_options=CostOptions(headroom=headroom), search_seconds=args.search_seconds,
+                               progress=line)
+    finally:
+        line.close()
     if args.json:
         data = job.plan.to_dict()
         data["baselines"] = [{"name": b.name, "plan": b.plan.to_dict() if b.plan else None, "note": b.note}
@@ -205,6 +214,29 @@ def _plan(args) -> None:
     table, comparison, *notes, summary = job.report(notes=(note,) if note else ())
     print(table, comparison, sep="\n\n", end="\n\n")
     print(*notes, summary, sep="\n")
+
+
+class ProgressLine:
+    """The search's progress (:class:`nbtrain.planner.anytime.Progress`) on one line of a terminal, rewritten in
+    place once the search has run ``after_s`` seconds and cleared when it ends; nothing where the stream is not a
+    terminal (a pipe, a log, ``--json`` read by a program)."""
+
+    def __init__(self, stream, after_s: float = 1.0, width: int = 119):
+        self.stream, self.after_s, self.width = stream, after_s, width
+        self.live = bool(getattr(stream, "isatty", lambda: False)())
+        self.shown = False
+
+    def __call__(self, progress) -> None:
+        if self.live and progress.elapsed_s >= self.after_s:
+            self.stream.write("\r" + str(progress)[:self.width] + "\033[K")
+            self.stream.flush()
+            self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
 
 
 def _demo(args) -> None:
