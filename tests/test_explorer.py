@@ -222,3 +222,47 @@ def test_in_a_live_notebook_the_explorer_is_the_cells_output_and_the_static_plan
     assert "step time of the compared plans" in page  # the chart, for an exported page
     plan = shell.user_ns["live_plan"]
     assert str(plan.table()) in text  # papermill's text view keeps the tables
+
+
+# -- a search past its time budget: the best so far, marked, then the best ----------------------------------------------
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Holds every search without a time budget (the explorer's search in the background) until ``.set()``."""
+    import threading
+
+    release = threading.Event()
+    real = recommend.plan
+
+    def plan(*args, **kwargs):
+        if kwargs.get("search_seconds", 0) is None:
+            assert release.wait(60), "the test never released the background search"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recommend, "plan", plan)
+    yield release
+    release.set()
+
+
+def test_a_replan_past_its_search_budget_shows_the_best_so_far_then_the_best(prof, gated):
+    ex = PlanExplorer(prof, num_devices=4, global_batch=8, seq_len=64, search_seconds=1e-9)
+    assert recommend.provisional(ex.plan)
+    assert "best found so far in" in html.unescape(ex.status.value) and "searching on" in ex.status.value
+    assert html.escape(ex.plan.summary()) in shown(ex.widget)  # the best so far is shown meanwhile
+    gated.set()
+    best = ex.settle()
+    cluster = nbtrain.Cluster.from_catalog("H100", num_devices=4, devices_per_node=4)
+    assert best == nbtrain.plan(prof, cluster, global_batch=8, seq_len=64) and not recommend.provisional(best)
+    assert "planned in" in ex.status.value and "searching on" not in ex.status.value
+    assert html.escape(best.summary()) in shown(ex.widget)
+
+
+def test_a_change_while_it_searches_on_stops_that_search_and_shows_the_new_plan(prof, gated):
+    ex = PlanExplorer(prof, num_devices=4, global_batch=8, seq_len=64, search_seconds=1e-9)
+    stale = ex._searching
+    ex.controls["devices"].value = 2  # a new replan, past its budget too: a second search in the background
+    gated.set()
+    stale.join(60)
+    best = ex.settle()
+    assert best.num_devices == 2 and ex.plan is best and not recommend.provisional(best)
+    assert "2 × H100" in ex.status.value and "planned in" in ex.status.value

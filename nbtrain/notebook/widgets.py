@@ -69,6 +69,11 @@ class PlanExplorer:
     something impossible, which ``error`` then explains (it is shown in place of the plan, never raised).
     ``devices_per_node`` starts at most at ``num_devices``. ``opening=(plan, baselines, cluster)`` shows a plan
     already made (the cell's) until a control changes, instead of planning again.
+
+    A replan that has searched ``search_seconds`` (default 3 s) shows the best plan found so far, says so in the
+    status line, and searches on in the background; the explorer shows the best plan when that search ends, unless
+    a control changed meanwhile (then the stale search stops). ``settle()`` waits for it too. The layers' prices
+    are kept between replans (:mod:`nbtrain.planner.cost_tables`), so a change prices only what it has not seen.
     """
 
     TYPED = ("memory", "global_batch", "seq_len")
@@ -76,7 +81,7 @@ class PlanExplorer:
 
     def __init__(self, profile, *, num_devices: int = 8, devices_per_node: int = 8, device: str = "H100",
                  memory=None, global_batch: int = 32, seq_len: int | None = None, opening=None,
-                 debounce_s: float = 0.6):
+                 debounce_s: float = 0.6, search_seconds: float | None = 3.0):
         import ipywidgets as w
 
         from nbtrain.profiler.hardware import CATALOG, lookup
@@ -93,8 +98,11 @@ class PlanExplorer:
         self.error: str | None = None
         self.baselines: list = []
         self.debounce_s = debounce_s
+        self.search_seconds = search_seconds
         self._timer: threading.Timer | None = None
         self._planning = threading.Lock()
+        self._generation = 0  # one more at every replan: a search in the background shows its plan only if current
+        self._searching: threading.Thread | None = None
         style = {"description_width": "initial"}
         per_node = min(devices_per_node, num_devices)
         self.controls = {
@@ -179,14 +187,18 @@ class PlanExplorer:
             self._timer = None
 
     def settle(self):
-        """Wait for a pending (debounced) replan and return the plan, as :meth:`update` does."""
+        """Wait for a pending (debounced) replan and the search it leaves in the background, and return the plan,
+        as :meth:`update` does."""
         timer = self._timer
         if timer is not None:
             timer.join()
+        searching = self._searching
+        if searching is not None:
+            searching.join()
         with self._planning:
             return self.plan
 
-    def _replan(self):
+    def _replan(self, search_seconds: float | None = None, progress=None):
         """(plan, baselines, cluster) for the controls' values; raises what the planner raises."""
         from nbtrain.planner import recommend
         from nbtrain.profiler.hardware import Cluster
@@ -202,29 +214,64 @@ class PlanExplorer:
             raise InvalidArgumentError(f"the sequence length must be at least 1 token, got {v['seq_len']}")
         cluster = Cluster.from_catalog(v["device"], num_devices=v["devices"], devices_per_node=v["devices_per_node"])
         args = dict(global_batch=v["global_batch"], seq_len=v["seq_len"], memory=memory)
-        best = recommend.plan(self.profile, cluster, **args)
+        best = recommend.plan(self.profile, cluster, **args, search_seconds=search_seconds, progress=progress)
         return best, recommend.baselines(self.profile, cluster, **args), cluster
 
     def update(self):
         """Plan again for the controls' current values; returns the plan, or None (and sets ``error``)."""
+        from nbtrain.planner.recommend import provisional
+
         with self._planning:
             self._timer = None
+            self._generation += 1
             self.status.value = "<i>planning…</i>"
             started = time.perf_counter()
             try:
-                best, baselines, cluster = self._replan()
+                best, baselines, cluster = self._replan(self.search_seconds)
             except Exception as e:  # a widget callback has nowhere to raise to: show it where the plan would be
-                message = str(e) if isinstance(e, NbtrainError) else f"unexpected {type(e).__name__}: {e}"
-                self.plan, self.baselines, self.error = None, [], message
-                self.status.value = f'<div style="color:#b00020"><b>cannot plan:</b> {html.escape(message)}</div>'
-                self.summary.value = self.memory.value = self.comparison.value = ""
+                self._show_error(e)
                 return None
-            self._show(best, baselines, cluster, took=time.perf_counter() - started)
+            searching_on = provisional(best)
+            self._show(best, baselines, cluster, took=time.perf_counter() - started, searching_on=searching_on)
+            if searching_on:
+                self._search_on(self._generation, started)
             return best
 
-    def _show(self, best, baselines, cluster, *, took: float | None) -> None:
+    def _search_on(self, generation: int, started: float) -> None:
+        """Finish the search in a thread and show its plan, unless the controls change first: then it stops at
+        its next sub-problem, and a newer replan shows its own."""
+
+        def superseded(_progress) -> None:
+            if self._generation != generation:
+                raise _Superseded
+
+        def search() -> None:
+            try:
+                found = self._replan(None, progress=superseded)
+            except _Superseded:
+                return
+            except Exception as e:  # shown as update() shows it, if still current
+                found = e
+            with self._planning:
+                if self._generation != generation:
+                    return
+                if isinstance(found, Exception):
+                    self._show_error(found)
+                else:
+                    self._show(*found, took=time.perf_counter() - started)
+
+        self._searching = threading.Thread(target=search, name="nbtrain-explorer-search", daemon=True)
+        self._searching.start()
+
+    def _show_error(self, e: Exception) -> None:
+        message = str(e) if isinstance(e, NbtrainError) else f"unexpected {type(e).__name__}: {e}"
+        self.plan, self.baselines, self.error = None, [], message
+        self.status.value = f'<div style="color:#b00020"><b>cannot plan:</b> {html.escape(message)}</div>'
+        self.summary.value = self.memory.value = self.comparison.value = ""
+
+    def _show(self, best, baselines, cluster, *, took: float | None, searching_on: bool = False) -> None:
         self.plan, self.baselines, self.error = best, baselines, None
-        self.status.value = f"<div>{html.escape(_status(best, cluster, took))}</div>"
+        self.status.value = f"<div>{html.escape(_status(best, cluster, took, searching_on))}</div>"
         self.summary.value = styled(f"<div><b>{html.escape(best.summary())}</b></div>{best.table()._repr_html_()}")
         self.memory.value = styled(memory_bars_html(best))
         self.comparison.value = styled(step_time_chart_html(best, baselines))
@@ -242,14 +289,20 @@ class PlanExplorer:
         return self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
 
 
-def _status(plan, cluster, took: float | None) -> str:
+class _Superseded(Exception):
+    """A search in the background whose controls have changed since it began."""
+
+
+def _status(plan, cluster, took: float | None, searching_on: bool = False) -> str:
     """The cluster and the budget in force, e.g. "8 × H100 in 1 node · memory budget 1.50 GiB per device (the
-    device has 80.00 GiB) · planned in 1.2 s"."""
+    device has 80.00 GiB) · planned in 1.2 s" (or "best found so far in 3.0 s, searching on…")."""
     nodes = f"{cluster.num_nodes} node" + ("s" if cluster.num_nodes > 1 else "")
     budget = plan.predicted.budget_bytes
     own = ("the device's own" if budget >= cluster.device_memory
            else f"the device has {format_bytes(cluster.device_memory)}")
     when = f"planned in {format_seconds(took)}" if took is not None else "the cell's plan"
+    if searching_on:
+        when = f"best found so far in {format_seconds(took)}, searching on…"
     return (f"{cluster.num_devices} × {cluster.device} in {nodes} · memory budget {format_bytes(budget)} per device "
             f"({own}) · {when}")
 
