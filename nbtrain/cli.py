@@ -90,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--processes", type=_positive_int, required=True, help="worker processes (the plan's devices)")
     v.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps (default 5)")
     v.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
-    v.add_argument("--seq", type=_positive_int, default=32, help="tokens per sequence (default 32)")
+    v.add_argument("--seq", type=_positive_int, default=None,
+                   help="tokens per sequence (default 32, or half again the model's sliding window where 32 fits "
+                        "inside it, so that the window masks something)")
     v.add_argument("--data", default=None, metavar="MODULE:ATTR",
                    help="a list of (inputs, targets) batches to train on instead of random token windows")
     v.add_argument("--loss", default=None, metavar="MODULE:ATTR", help="loss_fn(output, targets) for --data")

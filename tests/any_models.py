@@ -305,3 +305,91 @@ def qwen3():
 
     torch.manual_seed(0)
     return Qwen3ForCausalLM(Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=8))
+
+
+class _ScaledBlock(nn.Module):
+    """nbtrain's GPT block that also takes a scale for its output: an input of its own, per layer."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, scale: float = 1.0):
+        return self.block(x) * scale
+
+
+def per_layer_input_gpt():
+    """nbtrain's GPT, subclassed by a user whose forward gives each block an input of its own (a scale growing with
+    depth): a pipeline stage, which calls each block on the hidden state alone, does not give it."""
+    from nbtrain.models.gpt import GPT, GPTConfig
+
+    class PerLayerInputGPT(GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            self.blocks = nn.ModuleList(_ScaledBlock(block) for block in self.blocks)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for i, block in enumerate(self.blocks):
+                x = block(x, scale=1.0 + 0.5 * i)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return PerLayerInputGPT(GPTConfig(vocab_size=VOCAB, block_size=POSITIONS, n_layer=3, n_head=HEADS, n_embd=WIDTH,
+                                      tie_embeddings=False))
+
+
+# -- decoders whose layers differ (tests/test_layers_that_differ.py): each of its transformers DEFAULT config apart from
+# the sizes, with a sliding window of 16 tokens that the tests' sequences (40 tokens) outgrow ---------------------------
+
+WINDOW, LONG = 16, 40
+DIFFERING = dict(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS, intermediate_size=FFN,
+                 max_position_embeddings=256, num_key_value_heads=2)
+
+
+def cohere2():
+    """A transformers Cohere 2: three sliding-window layers then a global one (``layer_types``), RoPE on all, a scale
+    on the logits, the head tied to the embedding."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    torch.manual_seed(0)
+    return Cohere2ForCausalLM(Cohere2Config(**DIFFERING, num_hidden_layers=4, sliding_window=WINDOW,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def olmo3():
+    """A transformers OLMo 3: sliding-window and global layers, with a RoPE table per layer type."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    torch.manual_seed(0)
+    return Olmo3ForCausalLM(Olmo3Config(**DIFFERING, num_hidden_layers=4, sliding_window=WINDOW,
+                                        pad_token_id=0, eos_token_id=2))
+
+
+def gemma3_text():
+    """A transformers Gemma 3 (text): five sliding-window layers then a global one, a RoPE table per layer type, a
+    norm on queries and keys, the embedding scaled, the head tied."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**DIFFERING, num_hidden_layers=6, head_dim=8, sliding_window=WINDOW))
+
+
+def gpt_oss():
+    """A transformers gpt-oss: a sliding-window layer then a global one, attention sinks, a mixture of 4 experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {k: v for k, v in DIFFERING.items() if k != "max_position_embeddings"}  # its YaRN's own (131072)
+    return GptOssForCausalLM(GptOssConfig(**sizes, num_hidden_layers=2, head_dim=8, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=WINDOW))
+
+
+def jamba():
+    """A transformers Jamba: Mamba layers and attention layers (of two classes, in one list), every second one a
+    mixture of 4 experts; its attention period and offset shortened so that 4 layers hold both kinds."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    return JambaForCausalLM(JambaConfig(**DIFFERING, num_hidden_layers=4, num_experts=4, attn_layer_period=2,
+                                        attn_layer_offset=1, mamba_d_state=4))

@@ -227,12 +227,28 @@ case("degrees that do not divide the devices (a plan for more devices than `--gp
     lambda e: e.cli(*PLAN, "dp_shard=3"))
 case("degrees whose product is not the device count", "CLI")(lambda e: e.cli(*PLAN, "dp_replicate=2 dp_shard=2"))
 case("layer ranges that miss layers", "CLI")(lambda e: e.cli(*PLAN, "0-3: dp_shard=8"))
+case("a pipeline with fewer micro-batches than stages under 1F1B", "CLI")(lambda e: e.cli(*PLAN, "pp=2 mb=1"))
 case("TP that does not divide the heads", "CLI")(lambda e: e.cli(*PLAN, "tp=8"))
 case("TP that does not divide the key/value heads, before launch", "CLI")(
     lambda e: e.cli("verify", "llama-tiny", "--strategy", "tp=4", "--processes", "4"))
 case("TP of tied embeddings", "CLI")(lambda e: e.cli("verify", "gpt-tiny", "--strategy", "tp=2", "--processes", "2"))
 case("tied embeddings in two pipeline stages", "CLI")(
     lambda e: e.cli("verify", "gpt-tiny", "--strategy", "pp=2 mb=2", "--processes", "2"))
+
+
+@case("a pipeline stage that computes what the model's forward does not (a forward that gives a layer an input of "
+      "its own)", "Python")
+def _a_stage_that_differs(e):
+    from tests.any_models import per_layer_input_gpt
+
+    return e.raised(fit, per_layer_input_gpt(), tiny_batches(1, rows=4), plan="pp=2 mb=2", steps=1, num_processes=2)
+
+
+@case("tensor parallelism on a block the model's plan does not split (Jamba's Mamba layers)", "Python")
+def _tp_on_a_mamba_layer(e):
+    from tests.any_models import jamba
+
+    return e.raised(fit, jamba(), tiny_batches(1, rows=4), plan="tp=2", steps=1, num_processes=2)
 
 
 @case("an input a later pipeline stage needs (a loss computed inside `forward`)", "Python")
@@ -650,7 +666,8 @@ also("measuring on an unknown device", "Python")(lambda e: e.raised(_profile, "g
 for k, strategy in [("unknown key in a plan", "dp=8"), ("bad value in a plan", "tp=x"),
                     ("degrees that do not divide the devices (a plan for more devices than `--gpus`)", "dp_shard=3"),
                     ("degrees whose product is not the device count", "dp_replicate=2 dp_shard=2"),
-                    ("layer ranges that miss layers", "0-3: dp_shard=8")]:
+                    ("layer ranges that miss layers", "0-3: dp_shard=8"),
+                    ("a pipeline with fewer micro-batches than stages under 1F1B", "pp=2 mb=1")]:
     also(k, "magic")(lambda e, strategy=strategy: e.magic(f'--gpus 8 --batch 8 --strategy "{strategy}"', LAYERS_14))
     also(k, "Python")(lambda e, strategy=strategy: e.raised(_parse, strategy))
 also("TP that does not divide the heads", "magic")(lambda e: e.magic('--gpus 8 --batch 8 --strategy "tp=8"', GPT2))

@@ -43,6 +43,8 @@ def _check_device(folder: str, name: str, module, args, kwargs) -> None:
 
     from nbtrain.run.placement import rank_device
 
+    if not dist.is_initialized():  # the notebook's own forward (fit checks pipeline stages against it): no worker
+        return
     device = rank_device()
     local = [t.to_local() if isinstance(t, DTensor) else t for t in module.parameters(recurse=False)]
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

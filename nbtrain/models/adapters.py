@@ -90,7 +90,9 @@ def _hf_family(model: nn.Module) -> ModelFamily | None:
     if not isinstance(model_type, str) or not hasattr(config, "to_dict"):
         return None
     known = {"gpt2": ("transformer.h", "h"), "llama": ("model.layers", "layers")}
-    path = next((p for p in known.get(model_type, ()) if has_submodule(model, p)), None) or _repeated_blocks(model)
+    block_classes = tuple(getattr(model, "_no_split_modules", None) or ())
+    path = next((p for p in known.get(model_type, ()) if has_submodule(model, p)), None) or \
+        _repeated_blocks(model, block_classes)
 
     def first(*names):
         return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
@@ -113,16 +115,24 @@ def has_submodule(model: nn.Module, path: str) -> bool:
         return False
 
 
-def _repeated_blocks(model: nn.Module) -> str | None:
-    """Path of the container of identical blocks holding the most parameters (at least two blocks)."""
-    best, best_params = None, -1
+def _repeated_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> str | None:
+    """Path of the container of blocks (at least two) holding the most parameters: blocks of one class, or of the
+    classes ``block_classes`` names (a Hugging Face model's ``_no_split_modules``: Jamba's Mamba and attention
+    layers, in one list). A model with no such list may still hold one list of blocks of several classes that holds
+    most of its parameters (a hybrid of state-space and attention blocks written by hand): that one, then."""
+    best, best_params, mixed, mixed_params = None, -1, None, -1
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
             continue
         kinds = {type(child) for child in module}
         params = sum(p.numel() for p in module.parameters())
-        if len(kinds) == 1 and params > best_params:
+        if (len(kinds) == 1 or block_classes and all(k.__name__ in block_classes for k in kinds)) and \
+                params > best_params:
             best, best_params = name, params
+        elif len(kinds) > 1 and params > mixed_params and all(any(True for _ in c.parameters()) for c in module):
+            mixed, mixed_params = name, params
+    if best is None and mixed is not None and 2 * mixed_params > sum(p.numel() for p in model.parameters()):
+        return mixed
     return best
 
 
@@ -160,3 +170,23 @@ def set_training(model: nn.Module, mode: bool = True) -> nn.Module:
     for module in model.modules():
         module.training = mode
     return model
+
+
+def smallest_window(model: nn.Module) -> int | None:
+    """The narrowest attention window among a model's layers (tokens a query sees back), None when every layer
+    attends to the whole sequence: Hugging Face's ``config.sliding_window`` where a layer type uses it (Cohere 2,
+    Gemma 3, OLMo 3, gpt-oss: ``sliding_attention`` in ``layer_types``), or every layer (Mistral: no
+    ``layer_types``, ``use_sliding_window`` not off). A test whose sequences fit inside the window never exercises it.
+
+        >>> from tests.any_models import mistral, qwen2
+        >>> smallest_window(mistral()), smallest_window(qwen2())
+        (4096, None)
+    """
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if "sliding_attention" in types else None
+    return None if getattr(config, "use_sliding_window", None) is False else window

@@ -7,7 +7,7 @@
     >>> d.tensor_parallel[1][:2]
     [('model.layers.0.self_attn.q_proj', 'colwise'), ('model.layers.0.self_attn.k_proj', 'colwise')]
     >>> d.no_tensor_parallel, d.stages
-    ('', 'hf-rotary')
+    ('', 'hf-decoder')
 
 **Layers** are what the profiler times one by one: what runs before the repeated blocks, each block, what runs
 after (:func:`layer_slots`). A model with no list of repeated blocks is one layer. **Tied** parameters are found by
@@ -33,7 +33,7 @@ from torch import nn
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import ModelFamily, detect_family
-from nbtrain.models.tensor_parallel import (HEAD_NORM, check_style, matched_plan, unknown_styles,
+from nbtrain.models.tensor_parallel import (HEAD_NORM, check_style, matched_plan, tp_plan_example, unknown_styles,
                                              unknown_styles_reason)
 
 Slot = tuple[nn.Module, str]
@@ -132,8 +132,9 @@ class ModelDescription:
     """Why the model's blocks cannot be split by tensor parallelism (empty: they can)."""
     stages: str = ""
     """How the executor runs a layer as a pipeline stage: ``layers`` (each layer takes and returns one tensor),
-    ``hf-gpt2``, ``hf-rotary`` (a Hugging Face decoder with a pipeline plan and rotary embeddings), ``traced``
-    (any other model with repeated blocks: its forward traced and cut, nbtrain.run.parallel.traced_stages); empty: none."""
+    ``hf-gpt2``, ``hf-decoder`` (a Hugging Face decoder, a stage run by the model's own forward:
+    nbtrain.models.stages), ``traced`` (any other model with repeated blocks: its forward traced and cut,
+    nbtrain.run.parallel.traced_stages); empty: none."""
     no_pipeline: str = ""
     """Why the model cannot be cut into pipeline stages (empty: it can)."""
     ties: list = field(default_factory=list)
@@ -150,6 +151,9 @@ class ModelDescription:
     empty for the embedding and the head, which run on the whole sequence)."""
     no_sequence_parallel: list[str] = field(default_factory=list)
     """Per layer, why sequence parallelism cannot run there (empty: it can)."""
+    unsplit_blocks: dict[int, str] = field(default_factory=dict)
+    """Blocks the tensor-parallel plan splits none of, in a model where it splits others (Jamba's Mamba layers
+    beside its attention layers), each with why: they run with tp=1."""
 
     def module(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)
@@ -178,6 +182,8 @@ class ModelDescription:
             return ""
         if self.no_tensor_parallel and (0 < layer < len(self.layers) - 1 or len(self.layers) <= 2):
             return self.no_tensor_parallel
+        if layer in self.unsplit_blocks:
+            return self.unsplit_blocks[layer]
         for name, style in self.tensor_parallel[layer]:
             problem = check_style(name, self.module(name), style, tp)
             if problem:
@@ -235,12 +241,31 @@ def _stages(model: nn.Module, family: ModelFamily, layers: list[list[Slot]]) -> 
         return "layers", ""
     if family.name == "hf-gpt2":
         return "hf-gpt2", ""
+    return ("hf-decoder" if _runs_own_stages(model, family, layers) else "traced"), ""
+
+
+def _runs_own_stages(model: nn.Module, family: ModelFamily, layers: list[list[Slot]]) -> bool:
+    """Whether the model's own forward can run one pipeline stage's layers (models/stages.py: DecoderStage): a
+    Hugging Face causal decoder whose first layer is its token embedding alone (its forward, given
+    ``inputs_embeds``, then uses nothing of the first stage's) and whose forward takes ``inputs_embeds``."""
     config = getattr(model, "config", None)
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if getattr(config, "base_model_pp_plan", None) and hasattr(base, "rotary_emb") and \
-            family.blocks_path.endswith(".layers") and getattr(config, "is_decoder", True) is not False:
-        return "hf-rotary", ""
-    return "traced", ""
+    if not family.name.startswith("hf-") or getattr(config, "is_encoder_decoder", False) or \
+            getattr(config, "is_decoder", True) is False:
+        return False
+    embeddings = getattr(model, "get_input_embeddings", None)
+    try:
+        table = embeddings() if callable(embeddings) else None
+    except (NotImplementedError, AttributeError):
+        return False
+    first = [slot_module(parent, attr) for parent, attr in layers[0]]
+    return table is not None and first == [table] and \
+        "inputs_embeds" in inspect.signature(model.forward).parameters
+
+
+def _first_split(split: list[list[tuple[str, str]]]) -> str:
+    """The modules of the first block the plan splits, for a message (``model.layers.1.self_attn.q_proj, ...``)."""
+    block = next(entries for entries in split[1:-1] if entries)
+    return ", ".join(name for name, _ in block[:2]) + (", ..." if len(block) > 2 else "")
 
 
 def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDescription:
@@ -256,20 +281,23 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
     split = [[(n, style) for n, style in found.items() if _within(n, layer_names)] for layer_names in names]
     kind = type(model).__name__
     why = ""
-    if len(layers) > 2 and not all(split[1:-1]):
-        source = "the plan given" if tp_plan is not None else \
-            f"{type(getattr(model, 'config', None)).__name__}.base_model_tp_plan" if hasattr(model, "config") else \
-            "nbtrain's tables"
+    source = "the plan given" if tp_plan is not None else \
+        f"{type(getattr(model, 'config', None)).__name__}.base_model_tp_plan" if hasattr(model, "config") else \
+        "nbtrain's tables"
+    if len(layers) > 2 and not any(split[1:-1]):
         why = (f"{source} splits none of {kind}'s blocks' modules" if plan else
                f"{kind} has no tensor-parallel plan (transformers' config carries none, nbtrain knows none)") + \
-            "; give one (fit(..., tp_plan={'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}), or " \
-            "%%autoparallel --tp-plan NAME)"
+            f"; give one{tp_plan_example(slot_module(*layers[1][0]), family.blocks_path)}"
     elif len(layers) <= 2:
         why = f"{kind} has no list of repeated blocks for tensor parallelism to split"
     if tp_plan is None and unknown_styles(plan) and len(layers) > 2:  # the model's own plan splits its blocks in a
         why = unknown_styles_reason(model, plan)  # way nbtrain does not run
     if family.name == "hf-gpt2" and getattr(model.config, "add_cross_attention", False):
         why = "GPT-2 blocks with cross-attention have no tensor-parallel split in nbtrain yet"
+    unsplit = [] if why or len(layers) <= 2 else [
+        f"{source} splits none of its modules ({type(slot_module(*layers[i][0])).__name__}; the plan splits "
+        f"{_first_split(split)})" for i in range(1, len(layers) - 1) if not split[i]]
+    unsplit_layers = [i for i in range(1, len(layers) - 1) if not why and len(layers) > 2 and not split[i]]
     stages, no_pipeline = _stages(model, family, layers)
     no_offload = ""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
@@ -289,7 +317,7 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
         roles.append(found_roles)
         no_sp.append(problem)
     return ModelDescription(model, family, layers, names, split, why, stages, no_pipeline, ties, no_offload,
-                            splits_tied, roles, no_sp)
+                            splits_tied, roles, no_sp, dict(zip(unsplit_layers, unsplit)))
 
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)

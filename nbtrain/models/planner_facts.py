@@ -29,7 +29,8 @@ def planner_facts(description: ModelDescription) -> dict:
     ``tp_unit``, a number every tensor-parallel degree must divide (the split features, the heads when they are
     split; 0: no limit), and ``tp_whole_params`` (per layer, the parameters its plan leaves whole on every TP rank:
     norms, a router, and the experts of a mixture whose plan splits only its attention, as transformers 5.25's
-    Mixtral and Qwen3-MoE plans do)."""
+    Mixtral and Qwen3-MoE plans do), and ``tp_unsplit_layers`` (blocks its plan splits none of, beside blocks it
+    splits: Jamba's Mamba layers, which run with tp=1)."""
     sizes = []
     for layer, entries in enumerate(description.tensor_parallel):
         for name, style in entries:
@@ -48,7 +49,8 @@ def planner_facts(description: ModelDescription) -> dict:
                          for entries in description.tensor_parallel],
             "tp_gathers_output": [i for i, entries in enumerate(description.tensor_parallel)
                                   if any(style == "colwise_gather_output" for _, style in entries)],
-            "tp_whole_params": [_whole_params(description, i) for i in range(len(description.layers))]}
+            "tp_whole_params": [_whole_params(description, i) for i in range(len(description.layers))],
+            "tp_unsplit_layers": sorted(description.unsplit_blocks)}
 
 
 def _whole_params(description: ModelDescription, layer: int) -> int:

@@ -227,3 +227,28 @@ class HeadNorm(SequenceParallel):
             raise InvalidPlanError(f"a {type(mod).__name__} split per head got a DTensor: the projection before it "
                                    "must leave its heads local (colwise)")
         return DTensor.from_local(heads, device_mesh, (Shard(heads.dim() - 2),), run_check=False)
+
+
+def tp_plan_example(block: nn.Module, blocks_path: str | None) -> str:
+    """How to give a tensor-parallel plan for a model whose blocks are like ``block`` (at ``blocks_path``), in its
+    own module names: the block's first module holding two or more ``nn.Linear``, all but the last colwise (each
+    rank computes a part of the output features) and the last rowwise (a part of the input features, the partial
+    outputs summed), as Megatron pairs an MLP's two projections.
+
+        >>> from nbtrain.models import GPT, GPTConfig
+        >>> block = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)).blocks[0]
+        >>> advice = tp_plan_example(block, "blocks")
+        >>> "'blocks.*.attn.q': 'colwise'" in advice, "'blocks.*.attn.o': 'rowwise'" in advice
+        (True, True)
+    """
+    how = ", or %%autoparallel --tp-plan NAME)"
+    prefix = f"{blocks_path}.*" if blocks_path else "MODULE"
+    for parent_name, parent in block.named_modules():
+        linears = [n for n, child in parent.named_children() if isinstance(child, nn.Linear)]
+        if len(linears) >= 2:
+            path = f"{prefix}.{parent_name}" if parent_name else prefix
+            pairs = [f"'{path}.{n}': 'colwise'" for n in linears[:-1]] + [f"'{path}.{linears[-1]}': 'rowwise'"]
+            return (f" naming its own modules, e.g. (fit(..., tp_plan={{{', '.join(pairs)}}}){how}: colwise splits a "
+                    "Linear's output features, rowwise its input features and sums the parts; a pair is exact only "
+                    "where what runs between them works on each feature alone")
+    return f" (fit(..., tp_plan={{'{prefix}.MODULE': 'colwise', ...}}){how}"

@@ -34,6 +34,9 @@ def check_against(plan: Plan, profile: ModelProfile, cluster: Cluster, global_ba
     for i, s in enumerate(plan.layers):
         if s.tp > 1 and cannot:
             raise InvalidPlanError(f"layer {i}: tp={s.tp}, but {cannot}; use tp=1")
+        if s.tp > 1 and i in arch.get("tp_unsplit_layers", ()):
+            raise InvalidPlanError(f"layer {i} ({profile.layers[i].name}) of {profile.model}: tp={s.tp}, but the "
+                                   "model's tensor-parallel plan splits none of its modules; use tp=1 there")
         if s.sp and arch.get("no_sequence_parallel") and profile.layers[i].kind == "block":
             raise InvalidPlanError(f"layer {i}: sp, but {arch['no_sequence_parallel']}; leave out 'sp'")
         layer = profile.layers[i]

@@ -39,8 +39,10 @@ aten = torch.ops.aten
 # reads), as torchtitan's "op" SAC keeps them (torchtitan/distributed/activation_checkpoint.py, which also keeps
 # reduce-scatters and maxima; nbtrain recomputes those with the rest). CPU flash attention is what SDPA runs on
 # the CPU; the others are the GPU kernels (and the overridable one other accelerators register).
+# Grouped matmuls (transformers' grouped experts) are recomputed: gpt-oss's experts add their bias into the grouped
+# matmul's output in place, which a kept output cannot take (torch refuses to recompute from a mutated cache entry).
 SAVED_OPS = frozenset(op.default for op in (
-    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, getattr(aten, "_grouped_mm", None),
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
     aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
     getattr(aten, "_scaled_dot_product_cudnn_attention", None),

@@ -42,6 +42,7 @@ from nbtrain.run.state.hf_folder import check_folder, file_of_each_tensor
 from nbtrain.run.state.materialize import check_materializable, has_meta
 from nbtrain.run.state.pretrained import resolve_weights
 from nbtrain.run.state.weights import load_trained
+from nbtrain.run.parallel.stage_check import check_stages
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.fit_result import FitResult
 from nbtrain.run.predict_here import predict_here
@@ -231,8 +232,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     check_materializable(model, init_fn, traced)
     starting = None if weights is None else resolve_weights(weights, model)  # before anything is launched
     hf_folder = None if save_pretrained is None else check_folder(save_pretrained)
+    pipe = None
     if traced:  # refused here, before the workers: a model that cannot be traced, or cut where its stages begin
-        check_traceable(model, description, plan, example_microbatch(ids, plan, 0))
+        pipe = check_traceable(model, description, plan, example_microbatch(ids, plan, 0))
+    if plan.pp > 1:  # the stages compute what the model's forward does, or nothing trains (stage_check.py)
+        check_stages(model, description, plan, example_microbatch(ids, plan, 0), pipe)
     num_processes = world_size(num_processes) if launched_externally() else num_processes or plan.num_devices
     if optimizer is not None and any(s.offload > 0 for s in plan.layers):
         raise InvalidArgumentError("optimizer= with CPU update offload: the offloaded update stays AdamW (it runs "

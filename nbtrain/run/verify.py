@@ -52,6 +52,8 @@ class VerifyReport:
     """‖parallel − reference‖ / ‖reference − initial‖ over all weights together."""
     turned_off: list[str] = field(default_factory=list)
     """What was set to 0 in both runs' copies of the model so that they draw no random numbers (dropout)."""
+    notes: list[str] = field(default_factory=list)
+    """What the comparison did not exercise (a sliding window wider than the sequences)."""
 
     @property
     def loss_differences(self) -> list[float]:
@@ -99,6 +101,7 @@ class VerifyReport:
         if self.turned_off:
             t.footer.append("dropout turned off for the comparison (in both runs' copies; fit trains with it): "
                             + "; ".join(self.turned_off))
+        t.footer.extend(self.notes)
         t.footer.append(self.verdict())
         return str(t)
 
@@ -245,7 +248,7 @@ def _without_randomness(model: nn.Module, ids, name: str) -> list[str]:
         "or compare the runs' loss curves over many steps instead")
 
 
-def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int = 32,
+def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int = 8, seq: int | None = None,
            lr: float = 1e-2, seed: int = 0, timeout: float = 600, data=None, loss_fn=None,
            tp_plan: dict[str, str] | None = None, weights=None, clip_norm: float | None = 1.0) -> VerifyReport:
     """Train ``model`` (a preset or ``module:attr``) one step at a time in one process and under ``plan`` in
@@ -282,6 +285,7 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
         from nbtrain.run.state.pretrained import load_weights, resolve_weights
 
         load_weights(reference_model, resolve_weights(weights, reference_model), ("",))
+    seq, notes = _sequence_length(source, seq) if data is None else (seq, [])
     data = list(data) if data is not None else _batches(vocab, batch, seq)
     if not data:
         raise InvalidArgumentError("data holds no batches")
@@ -316,7 +320,30 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     apart = sum(float((got_state[k] - ref_state[k]).double().square().sum()) for k in keys) ** 0.5
     moved = sum(float((ref_state[k] - initial[k]).double().square().sum()) for k in keys) ** 0.5
     return VerifyReport(str(result.plan), processes, reference, result.losses, apart / max(moved, 1e-30),
-                        turned_off)
+                        turned_off, notes)
+
+
+DEFAULT_SEQ, LONGEST_DEFAULT_SEQ = 32, 256
+
+
+def _sequence_length(model: nn.Module, seq: int | None) -> tuple[int, list[str]]:
+    """The random windows' length: ``seq``, or by default 32 tokens, or half as much again as the model's narrowest
+    attention window (:func:`~nbtrain.models.adapters.smallest_window`) where 32 would fit inside it, so that the
+    window masks something (up to 256 tokens and the model's longest sequence); with a note where the window still
+    holds the whole sequence."""
+    from nbtrain.models.adapters import detect_family, smallest_window
+
+    window = smallest_window(model)
+    longest = detect_family(model).max_seq_len or LONGEST_DEFAULT_SEQ
+    if seq is None:
+        seq = DEFAULT_SEQ
+        if window is not None and window >= seq:
+            seq = max(seq, min(window + window // 2, LONGEST_DEFAULT_SEQ, longest))
+    if window is not None and window >= seq:
+        return seq, [f"note: the sliding window of {window} tokens was not exercised: sequences of {seq} tokens fit "
+                     f"inside it (give --seq {window + window // 2} or more, or build the model with a narrower "
+                     "sliding_window)"]
+    return seq, []
 
 
 def _first_rows(inputs):

@@ -99,9 +99,10 @@ def traced_stage(model: nn.Module, description: ModelDescription, plan: Plan, st
     return TracedStage(module, pipe.info(), layers, prefixes, shapes, out_spec)
 
 
-def check_traceable(model: nn.Module, description: ModelDescription, plan: Plan, example) -> None:
-    """Refuse, before any worker starts, a model that cannot be traced and cut where the plan's stages begin."""
-    _pipe(model, description, plan, example)
+def check_traceable(model: nn.Module, description: ModelDescription, plan: Plan, example):
+    """Refuse, before any worker starts, a model that cannot be traced and cut where the plan's stages begin;
+    returns its ``pipeline()`` (the stages as one graph, which :mod:`~nbtrain.run.parallel.stage_check` runs)."""
+    return _pipe(model, description, plan, example)[0]
 
 
 def _pipe(model: nn.Module, description: ModelDescription, plan: Plan, example):
