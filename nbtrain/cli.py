@@ -6,7 +6,7 @@
     $ nbtrain profile mypkg.models:build --measure            # time the layers on this machine too
     $ nbtrain plan llama-7b --gpus 8 --memory 24GiB --batch 64 --seq 2048     # the fastest plan that fits
     $ nbtrain plan llama-7b --gpus 8 --batch 64 --seq 2048 --strategy "dp_shard=8 ac"   # evaluate a typed plan
-    $ nbtrain plan llama-70b --gpus 1024 --batch 2048 --seq 4096 --search-seconds 5     # the best found in 5 s
+    $ nbtrain plan gpt2 --gpus 64 --batch 512 --search-seconds 2     # the best plan found in 2 s, said to be that
     $ nbtrain verify llama-tiny --strategy "pp=2 mb=2 | dp_shard=2" --processes 4    # trains like one process?
     $ nbtrain cluster H100 --gpus 16                          # a cluster from the device catalog
     $ nbtrain cluster --detect                                # measure this machine

@@ -1,11 +1,10 @@
 """A search that answers in time: where it stands (:class:`Progress`), and what it found when its time ran out
-(:class:`Found`, marked incomplete).
+(:class:`Found`, marked incomplete)::
 
-    >>> found = search(profile, cluster, global_batch=2048, deadline=time.monotonic() + 3,
-    ...                progress=lambda p: print(p, end="\\r"))
-    searching: 4 of 91 sub-problems solved, 60 ruled out by their bounds · best 6.79 s/step · 1.2 s
-    >>> found.complete, found.left
-    (False, 27)
+    found = search(profile, cluster, global_batch=2048, deadline=time.monotonic() + 3,
+                   progress=lambda p: print(p, end="\\r"))
+    # searching: 4 of 91 sub-problems solved, 60 ruled out by their bounds · best 6.79 s/step · 1.20 s
+    found.complete, found.left       # (False, 27): the best found in 3 s, 27 sub-problems unsolved
 
 The search visits its sub-problems best bound first, so the plans found first are the likeliest to stay; once the
 deadline passes with at least one plan found it stops, and the plans it has are the best found so far, not

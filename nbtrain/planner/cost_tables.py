@@ -1,15 +1,18 @@
 """The cost model's per-layer prices, computed once per model and cluster and shared by everything that plans it.
 
-    >>> model = shared_cost_model(profile, cluster, global_batch=64, seq_len=2048, budget_bytes=24 * 2**30)
-    >>> model.layer(5, Strategy(dp_shard=8), 8)     # CostModel.layer, priced once for every block like block 5
+    >>> prof = nbtrain.profile("gpt-tiny", batch_size=1, seq_len=64)
+    >>> cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)
+    >>> model = shared_cost_model(prof, cluster, global_batch=32, budget_bytes=24 * 2**30)
+    >>> model.layer(2, Strategy(dp_shard=8), 4) is model.layer(3, Strategy(dp_shard=8), 4)   # twins: priced once
+    True
 
 A search, its second pass, the best plan without offload, the baselines and every estimate of ``nbtrain.plan`` ask
 the cost model for the same layers under the same strategies, and the plan explorer asks again whenever a box
 changes. :class:`SharedCostModel` is the :class:`~nbtrain.planner.cost.CostModel` (its methods stay the one source
 of every number) with ``layer``, ``relayout`` and ``p2p`` remembered in a table shared by every instance of the
-same profile, cluster, global batch, length and cost options: the memory budget is not part of it (it moves only
-the reserve, ``tests/test_plan_speed_same_plans.py`` checks that no layer price depends on it), so typing another
-budget in the explorer prices no layer again. Layers that cost the same (:func:`twins`: equal profiles and equal
+same profile, cluster, global batch, length and cost options (and ``estimate`` by plan and budget): the memory
+budget is not part of it (it moves only the reserve, ``tests/test_plan_speed_same_plans.py`` checks that no layer
+price depends on it), so typing another budget in the explorer prices no layer again. Layers that cost the same (:func:`twins`: equal profiles and equal
 per-layer facts) share their prices, as most blocks do. The last :data:`KEPT` tables are kept.
 """
 
@@ -20,6 +23,8 @@ from collections import OrderedDict
 
 from nbtrain.planner.cost import CostModel
 from nbtrain.planner.cost_options import CostOptions
+from nbtrain.planner.plan import Plan
+from nbtrain.planner.prediction import Prediction
 from nbtrain.planner.strategy import Strategy
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
@@ -115,6 +120,16 @@ class SharedCostModel(CostModel):
     def p2p(self, last_layer: int, s: Strategy, microbatches: int, pp: int, stage: int) -> float:
         return self._remembered("p2p", last_layer, (s, microbatches, pp, stage),
                                 lambda: super(SharedCostModel, self).p2p(last_layer, s, microbatches, pp, stage))
+
+
+    def estimate(self, plan: Plan) -> Prediction:
+        """:meth:`CostModel.estimate`, remembered by plan and budget (``plan()`` and ``plan_and_compare`` predict
+        the same baselines)."""
+        key = ("estimate", plan, self.budget)
+        found = self.table.prices.get(key)
+        if found is None:
+            found = self.table.prices[key] = super().estimate(plan)
+        return found
 
 
 def shared_cost_model(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_len: int | None = None,

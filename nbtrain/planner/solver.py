@@ -1,7 +1,8 @@
 """One sub-problem of the search (a pipeline degree, micro-batch count, schedule and strategy space), solved exactly.
 
-    >>> solver = Solver(model, task, budget, layer_kinds(profile), grid)
-    >>> solver.lower_bound, solver.solve()        # a bound on its step; (step, stage ranges, strategy per layer)
+:func:`nbtrain.planner.search.search` makes one :class:`Solver` per task (``Solver(model, task, budget, kinds,
+grid)``) and asks it for bounds (:attr:`Solver.lower_bound`, :meth:`Solver.bounds`) and for its best plan
+(:meth:`Solver.solve`: the step, the stage ranges, a strategy index per layer).
 
 Per layer kind, the strategies' costs are priced once per task (:class:`TaskTables`, kept with the model's shared
 price table, so a second search of the same task, the tied variants of one and the explorer's next replan take
@@ -235,8 +236,14 @@ class Solver:
     def ranges(self) -> list[tuple[int, int, int]]:
         """Every (stage, first layer, end) a partition may give, stage by stage."""
         n, pp = len(self.profile.layers), self.task.pp
-        return [(i, a, e) for i in range(pp) for a in ([0] if i == 0 else range(i, n - (pp - 1 - i)))
+        return [(i, a, e) for i in range(pp) for a in self.starts(i)
                 for e in ([n] if i == pp - 1 else range(a + 1, n - (pp - 2 - i)))]
+
+    def starts(self, stage: int) -> range:
+        """The first layers stage ``stage`` may take: every stage before it has one layer at least, every one
+        after it too."""
+        n, pp = len(self.profile.layers), self.task.pp
+        return range(1) if stage == 0 else range(stage, n - (pp - 1 - stage))
 
     def bounds(self):
         """(a bound on this task's step, per range a bound on the steps through it, the ranges of a promising
@@ -251,29 +258,30 @@ class Solver:
         plus what the stage pays beyond its layers at the least (its output sent on, the schedule's work)."""
         n, pp = len(self.profile.layers), self.task.pp
         low = np.full((pp, n + 1, n + 1), np.inf)
-        by_flight = {}
+        prefixes = {}
         kinds = sorted(set(self.kind))
         for i in range(pp):
             q = self.in_flight(i)
-            if q not in by_flight:
+            if q not in prefixes:
                 least = {k: np.min(self.time[k][self.useful[k]][None, :] + LAMBDAS[:, None] *
                                    self.resident(k, q)[self.useful[k]][None, :], axis=1) for k in kinds}
                 per_layer = np.stack([least[k] for k in self.kind], axis=1)  # (λ, layer)
                 for layer, j in self.forced.items():
                     k = self.kind[layer]
                     per_layer[:, layer] = self.time[k][j] + LAMBDAS * self.resident(k, q)[j]
-                prefix = np.concatenate([np.zeros((len(LAMBDAS), 1)), np.cumsum(per_layer, axis=1)], axis=1)
-                spans = prefix[:, None, :] - prefix[:, :, None] - LAMBDAS[:, None, None] * self.budget
-                by_flight[q] = np.maximum(np.max(spans, axis=0), 0.0)  # (a, e)
+                prefixes[q] = np.concatenate([np.zeros((len(LAMBDAS), 1)), np.cumsum(per_layer, axis=1)], axis=1)
+            prefix, starts = prefixes[q], self.starts(i)
+            ends = range(n, n + 1) if i == pp - 1 else range(starts.start + 1, n - (pp - 2 - i))
+            spans = prefix[:, None, ends.start:ends.stop] - prefix[:, starts.start:starts.stop, None] - \
+                LAMBDAS[:, None, None] * self.budget  # (λ, first layer, end)
             sent = np.zeros(n + 1)
             if i < pp - 1:
                 least_sent = {k: float(np.min(self.p2p[k][i])) for k in kinds}
                 sent[1:] = [least_sent[k] for k in self.kind]
-            low[i] = by_flight[q] + sent[None, :] + self._overhead()
-        valid = np.zeros(low.shape, dtype=bool)
-        i, a, e = np.array(self.ranges()).T
-        valid[i, a, e] = True
-        low[~valid] = np.inf
+            window = np.maximum(np.max(spans, axis=0), 0.0) + sent[None, ends.start:ends.stop] + self._overhead()
+            first, end = np.meshgrid(np.arange(starts.start, starts.stop), np.arange(ends.start, ends.stop),
+                                     indexing="ij")
+            low[i, starts.start:starts.stop, ends.start:ends.stop] = np.where(end > first, window, np.inf)
         return low * (1 - SAFETY)
 
     def solve(self, limit: float = np.inf) -> tuple[float, list[tuple[int, int]], list[int]] | None:

@@ -1,7 +1,9 @@
 """nbtrain's presets profiled once and read back: ``nbtrain plan llama-70b ...`` profiles the model the first time
 (about 10 s on 2 cores, on fake tensors) and reads the profile back in milliseconds afterwards, without torch.
 
-    >>> prof = preset_profile("llama-70b", seq_len=4096)     # profiled the first time, read from the cache after
+    >>> prof = preset_profile("gpt-tiny", seq_len=64)      # profiled the first time, read from the cache after
+    >>> preset_profile("gpt-tiny", seq_len=64).to_json() == prof.to_json()
+    True
 
 A preset's profile depends on its name, the arguments, nbtrain's code and torch's version, and on nothing else: the
 file is named by a digest of all of them, under ``$NBTRAIN_CACHE_DIR/profiles`` (else ``~/.cache/nbtrain``, where
