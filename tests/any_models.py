@@ -393,3 +393,42 @@ def jamba():
     torch.manual_seed(0)
     return JambaForCausalLM(JambaConfig(**DIFFERING, num_hidden_layers=4, num_experts=4, attn_layer_period=2,
                                         attn_layer_offset=1, mamba_d_state=4))
+
+
+# -- fine-tuning as people do it (tests/test_fine_tuning.py): peft's LoRA on transformers' default configs, and layers
+# frozen by hand ------------------------------------------------------------------------------------------------------
+
+def llama():
+    """A transformers Llama of its default config apart from the sizes (grouped-query attention, untied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SIZES, num_key_value_heads=2))
+
+
+def lora_llama():
+    """peft's LoRA on a transformers Llama, on every linear layer of its blocks (``target_modules="all-linear"``, as
+    QLoRA's recipe has it): the adapters trained, the base frozen; peft's defaults otherwise (r=8, alpha 8, B = 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = llama()
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear"))
+
+
+def lora_qwen2():
+    """peft's LoRA on a transformers Qwen2 with peft's defaults for the family: q_proj and v_proj, r=8."""
+    from peft import LoraConfig, get_peft_model
+
+    model = qwen2()
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
+
+
+def frozen_qwen2():
+    """A transformers Qwen2 fine-tuned as many do by hand: the embedding and the first block frozen
+    (``requires_grad_(False)``), the rest trained."""
+    model = qwen2()
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    return model

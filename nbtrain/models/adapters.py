@@ -136,6 +136,24 @@ def _repeated_blocks(model: nn.Module, block_classes: tuple[str, ...] = ()) -> s
     return best
 
 
+def hf_inner(model: nn.Module) -> tuple[nn.Module, str]:
+    """The Hugging Face model inside a wrapper, and its name with a dot (peft's ``PeftModel`` holds it at
+    ``base_model.model.``); ``(model, "")`` for a model that wraps none. Plans and forwards are the inner model's.
+
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from tests.any_models import qwen2
+        >>> inner, path = hf_inner(get_peft_model(qwen2(), LoraConfig(r=4, target_modules=["q_proj"])))
+        >>> type(inner).__name__, path
+        ('Qwen2ForCausalLM', 'base_model.model.')
+    """
+    unwrap = getattr(type(model), "get_base_model", None)  # peft's PeftModel (read on the class: it forwards the rest)
+    inner = model.get_base_model() if callable(unwrap) else model
+    if inner is model:
+        return model, ""
+    name = next((n for n, m in model.named_modules() if m is inner), None)
+    return (inner, f"{name}.") if name else (model, "")
+
+
 def _first(model: nn.Module, kind: type) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, kind)), None)
 

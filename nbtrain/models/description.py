@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from nbtrain.errors import InvalidPlanError
-from nbtrain.models.adapters import ModelFamily, detect_family
+from nbtrain.models.adapters import ModelFamily, detect_family, hf_inner
+from nbtrain.models.lora import split_lora
 from nbtrain.models.tensor_parallel import (HEAD_NORM, check_style, matched_plan, tp_plan_example, unknown_styles,
                                              unknown_styles_reason)
 
@@ -192,13 +193,15 @@ class ModelDescription:
 
 
 def _hf_plan(model: nn.Module) -> dict[str, str]:
-    """The model's own tensor-parallel plan, with names relative to ``model``."""
+    """The model's own tensor-parallel plan, with names relative to ``model`` (a wrapper's, peft's, read from the
+    Hugging Face model inside it)."""
+    model, path = hf_inner(model)
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     prefix = prefix if prefix and hasattr(model, prefix) and isinstance(getattr(model, prefix), nn.Module) else ""
-    plan = {f"{prefix}.{k}" if prefix else k: v for k, v in base.items()}
-    plan.update(getattr(model, "_tp_plan", None) or {})
+    plan = {f"{path}{prefix}.{k}" if prefix else f"{path}{k}": v for k, v in base.items()}
+    plan.update({f"{path}{k}": v for k, v in (getattr(model, "_tp_plan", None) or {}).items()})
     return plan
 
 
@@ -248,6 +251,7 @@ def _runs_own_stages(model: nn.Module, family: ModelFamily, layers: list[list[Sl
     """Whether the model's own forward can run one pipeline stage's layers (models/stages.py: DecoderStage): a
     Hugging Face causal decoder whose first layer is its token embedding alone (its forward, given
     ``inputs_embeds``, then uses nothing of the first stage's) and whose forward takes ``inputs_embeds``."""
+    model, _ = hf_inner(model)  # a wrapper's stages run the Hugging Face model's forward inside it
     config = getattr(model, "config", None)
     if not family.name.startswith("hf-") or getattr(config, "is_encoder_decoder", False) or \
             getattr(config, "is_decoder", True) is False:
@@ -276,7 +280,7 @@ def describe(model: nn.Module, tp_plan: dict[str, str] | None = None) -> ModelDe
     module_names = {id(m): n for n, m in model.named_modules()}
     names = [[module_names.get(id(slot_module(p, a)), "") for p, a in slots] for slots in layers]
     plan = dict(tp_plan) if tp_plan is not None else _known_plan(model, family)
-    found = matched_plan(model, plan, strict=tp_plan is not None) if plan else {}
+    found = split_lora(model, matched_plan(model, plan, strict=tp_plan is not None)) if plan else {}
     _vocabulary_split(model, layers, names, found)
     split = [[(n, style) for n, style in found.items() if _within(n, layer_names)] for layer_names in names]
     kind = type(model).__name__
@@ -375,7 +379,11 @@ def sequence_roles(block: nn.Module, name: str, split: list[tuple[str, str]]) ->
                                         ("a row-wise projection", rowwise)) if not found]
     if missing:
         return [], f"{kind} has no {' and no '.join(missing)} to run sequence-parallel"
-    return roles + [(n, "rowwise_sequence_output") for n in rowwise], ""
+    # a LoRA B beside a row-split base runs on the rank's part of the sequence (A's outputs reduce-scattered): its
+    # weight, whole on every rank, sums its gradient over the ranks as a norm's does (nbtrain.models.lora)
+    adapters = [(f"{n.rpartition('.lora_A.')[0]}.lora_B.{n.rpartition('.lora_A.')[2]}", "sequence_parallel_local")
+                for n in rowwise if ".lora_A." in n]
+    return roles + [(n, "rowwise_sequence_output") for n in rowwise] + adapters, ""
 
 
 def described(model: nn.Module) -> ModelDescription:

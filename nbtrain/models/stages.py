@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nbtrain.models.adapters import hf_inner
 from nbtrain.models.description import ModelDescription, slot_module
 
 
@@ -169,8 +170,9 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleList(slot_module(parent, attr) for i in range(start, end)
                                     for parent, attr in description.layers[i])
         self.buffers_of_model = nn.ModuleList(buffer_modules(description))
-        self.__dict__["model"] = description.model
-        self.blocks_path, self.start, self.end = description.family.blocks_path, start, end
+        model, path = hf_inner(description.model)  # a wrapper (peft's) runs the model inside it
+        self.__dict__["model"] = model
+        self.blocks_path, self.start, self.end = description.family.blocks_path[len(path):], start, end
         self.forward_kwargs = dict(description.family.forward_kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

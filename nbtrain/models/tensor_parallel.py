@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel)
 
 from nbtrain.errors import InvalidPlanError
+from nbtrain.models.lora import lora_parts, lora_problem
 
 HEAD_NORM = "replicated_with_grad_allreduce"
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
@@ -157,6 +158,8 @@ def style_for(module: nn.Module, style: str) -> ParallelStyle:
 
 def check_style(name: str, module: nn.Module, style: str, tp: int) -> str:
     """Why ``module`` (named ``name``) cannot be split ``tp`` ways by ``style`` (empty: it can)."""
+    if lora_parts(module) is not None:  # a LoRA layer the plan could not split into its parts (nbtrain.models.lora)
+        return f"{name}: {lora_problem(module, style)}"
     try:
         style_for(module, style)
     except InvalidPlanError as error:
@@ -199,6 +202,8 @@ def sequence_style(role: str) -> ParallelStyle:
     """
     if role == "sequence_parallel":
         return SequenceParallel()
+    if role == "sequence_parallel_local":  # a token-wise layer whose output is added to a local tensor (LoRA's B)
+        return SequenceParallel(use_local_output=True)
     if role == "rowwise_sequence_output":
         return RowwiseParallel(output_layouts=Shard(1))
     if role.startswith("gather_input:"):
@@ -244,7 +249,7 @@ def tp_plan_example(block: nn.Module, blocks_path: str | None) -> str:
     how = ", or %%autoparallel --tp-plan NAME)"
     prefix = f"{blocks_path}.*" if blocks_path else "MODULE"
     for parent_name, parent in block.named_modules():
-        linears = [n for n, child in parent.named_children() if isinstance(child, nn.Linear)]
+        linears = [n for n, child in parent.named_children() if isinstance(child, nn.Linear) or lora_parts(child)]
         if len(linears) >= 2:
             path = f"{prefix}.{parent_name}" if parent_name else prefix
             pairs = [f"'{path}.{n}': 'colwise'" for n in linears[:-1]] + [f"'{path}.{linears[-1]}': 'rowwise'"]

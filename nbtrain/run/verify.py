@@ -54,6 +54,11 @@ class VerifyReport:
     """What was set to 0 in both runs' copies of the model so that they draw no random numbers (dropout)."""
     notes: list[str] = field(default_factory=list)
     """What the comparison did not exercise (a sliding window wider than the sequences)."""
+    frozen: int = 0
+    """Frozen parameters the model has (checked bit for bit: :attr:`frozen_moved`)."""
+    frozen_moved: list[str] = field(default_factory=list)
+    """Frozen parameters (``requires_grad=False``: a LoRA model's base, layers frozen by hand) that the parallel run
+    changed by any bit: they must come back exactly as they went in."""
 
     @property
     def loss_differences(self) -> list[float]:
@@ -69,7 +74,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return self._losses_ok and self._weights_ok
+        return self._losses_ok and self._weights_ok and not self.frozen_moved
 
     def verdict(self) -> str:
         """One line: SAME TRAINING with both tolerances, or DIFFERENT and what differs."""
@@ -77,7 +82,7 @@ class VerifyReport:
         if self.ok:
             return (f"SAME TRAINING: every step's loss within a relative {LOSS_RTOL:.0e} of one process's "
                     f"(largest {max(diffs):.1e}) and the weights within {WEIGHT_RTOL:g} of the distance trained "
-                    f"({self.weight_difference:.1e})")
+                    f"({self.weight_difference:.1e})" + (", the frozen ones unchanged" if self.frozen else ""))
         what = []
         if len(self.parallel) != len(self.reference):
             what.append(f"the parallel run gave {len(self.parallel)} losses for {len(self.reference)} steps")
@@ -89,6 +94,9 @@ class VerifyReport:
         if not self._weights_ok:
             what.append(f"the weights differ by {self.weight_difference:.1e} of the distance trained "
                         f"(tolerance {WEIGHT_RTOL:g})")
+        if self.frozen_moved:
+            more = f" and {len(self.frozen_moved) - 1} more" if len(self.frozen_moved) > 1 else ""
+            what.append(f"frozen weights changed: {self.frozen_moved[0]}{more}")
         return "DIFFERENT: " + "; ".join(what)
 
     def __str__(self) -> str:
@@ -319,8 +327,10 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     keys = [k for k, v in ref_state.items() if v.is_floating_point()]
     apart = sum(float((got_state[k] - ref_state[k]).double().square().sum()) for k in keys) ** 0.5
     moved = sum(float((ref_state[k] - initial[k]).double().square().sum()) for k in keys) ** 0.5
+    frozen = [name for name, p in reference_model.named_parameters() if not p.requires_grad]
+    frozen_moved = [name for name in frozen if not torch.equal(got_state[name], initial[name])]
     return VerifyReport(str(result.plan), processes, reference, result.losses, apart / max(moved, 1e-30),
-                        turned_off, notes)
+                        turned_off, notes, len(frozen), frozen_moved)
 
 
 DEFAULT_SEQ, LONGEST_DEFAULT_SEQ = 32, 256

@@ -128,14 +128,14 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
             for name, style in description.tensor_parallel[i]:
                 module = model.get_submodule(name)
                 if split_logits and i == last and style == "colwise_gather_output" and isinstance(module, nn.Linear):
-                    parallelize_module(module, mesh["tp"], vocab_parallel_style())
+                    split_module(module, mesh["tp"], vocab_parallel_style())
                     model.__dict__[SPLIT_LOGITS] = True
                     continue
-                parallelize_module(module, mesh["tp"], sequence_style("rowwise_sequence_output")
+                split_module(module, mesh["tp"], sequence_style("rowwise_sequence_output")
                                    if split_sequence and style == "rowwise" else style_for(module, style))
             for name, role in description.sequence_parallel[i] if split_sequence else ():
                 if role != "rowwise_sequence_output":
-                    parallelize_module(model.get_submodule(name), mesh["tp"], sequence_style(role))
+                    split_module(model.get_submodule(name), mesh["tp"], sequence_style(role))
             description.local_heads(i, s.tp)
             if together and i == last:  # TP gave the head a DTensor of its own: the embedding's, laid out alike
                 retie(ties, to="first")
@@ -178,6 +178,18 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         add_fsdp_root(model, layers, plan, meshes, policy, ignored=alone)
     _place_stage(model, layers, traced, plan, meshes, None if traced is not None else values)
     return model
+
+
+def split_module(module: nn.Module, mesh, style) -> None:
+    """``parallelize_module(module, mesh, style)``, each parameter as trainable as it was: torch's
+    ``SequenceParallel`` (and ``HeadNorm``, built on it) re-creates a module's parameters as replicated DTensors
+    that require gradients, so a frozen norm of a LoRA model trained under ``sp`` (seen: its weights moved by 4e-3
+    in one step while one process left them)."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    parallelize_module(module, mesh, style)
+    for name, p in module.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: PlanMeshes, values) -> None:
