@@ -13,14 +13,17 @@ adapters (each layer on the hidden state), a Hugging Face decoder by its own for
 (:mod:`nbtrain.models.stages`), any other model as a traced graph (:mod:`nbtrain.run.parallel.traced_stages`).
 Whatever a model's forward gives a layer that the stage does not (a per-layer input, a mask, a table, a scale after
 the head), the pipeline would train a different model than one process does, and nothing would say so. So before
-launching, the stages are run here one after the other on the first micro-batch, from the notebook's own weights,
+launching, the stages are run here one after the other on the first micro-batch's first sequence, from the
+notebook's own weights,
 and each hand-over is compared with what the model's own forward gives the next layer (the hidden state each block
 receives, and the output): one difference beyond fp32 rounding stops the run with the first layer that differs.
 
-Costs: two forward passes of the first micro-batch in this process (the model's, and the stages'), without
-gradients, well under one training step (which runs every micro-batch forward and backward); a traced model is
-traced for the check it already gets before launch. Dropout is off for the comparison (both in eval mode; a traced
-graph runs in training mode, both under one seed, so they draw the same masks). A model on the meta device (its
+Costs: two forward passes of one sequence of the first micro-batch in this process (the model's, and the stages'),
+without gradients, on one thread, where the notebook's model is, once per run (``bench/stage_check.py``: 3-12 ms
+for the test models, 0.12-0.23 of one ``pp=2 mb=2`` step of theirs on 2 CPU processes); a traced model runs its
+traced stages on the whole micro-batch it was traced on (the graph holds that shape), after the tracing it already
+gets before launch. Dropout is off for the comparison (both in eval mode; a traced graph runs in training mode,
+both under one seed, so they draw the same masks). A model on the meta device (its
 weights read by the workers) cannot be run here: it is not checked, and :func:`check_stages` returns None.
 """
 
@@ -57,11 +60,14 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _evaluating(model: nn.Module, training: bool):
     """``model`` with every module's training flag set to ``training``, and this process's RNG, as they were after."""
     flags = {m: m.training for m in model.modules()}
+    threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         set_training(model, training)
+        torch.set_num_threads(1)  # a small pass: several threads on a busy machine collapse (STACK.md), 30x seen
         try:
             yield
         finally:
+            torch.set_num_threads(threads)
             for module, flag in flags.items():
                 module.training = flag
 
@@ -113,9 +119,9 @@ def check_stages(model: nn.Module, description: ModelDescription, plan: Plan, mi
                                    f"micro-batch; tolerance {TOLERANCE:g}); plan with pp=1")
         return time.perf_counter() - began
     last = len(description.layers) - 1
+    x = args[0][:1]  # one sequence: rows do not meet in a decoder's layers, and both sides see the same one
     with _evaluating(model, False):
-        received, output = _received(model, description, args, kwargs)
-        x = args[0]
+        received, output = _received(model, description, (x,), kwargs)
         for stage, (start, end) in enumerate(plan.stage_ranges()):
             expected = received.get(end) if end <= last else output
             got = _run(description, start, end, x)
