@@ -1,4 +1,5 @@
-"""Plots of plans and runs: memory per device by pipeline stage, predicted against measured step time, a timeline.
+"""Plots of plans and runs: memory per device by pipeline stage, predicted against measured step time, a timeline,
+the training and validation loss.
 
     >>> import nbtrain
     >>> from nbtrain.notebook.plots import memory_plot, step_time_plot, timeline_plot
@@ -11,6 +12,7 @@
     >>> result = nbtrain.fit(model, batches, plan="dp_shard=2", steps=20, num_processes=2,
     ...                      cluster=nbtrain.Cluster.detect())               # batches: (ids, targets) global batches
     >>> step_time_plot(result), timeline_plot(result)
+    >>> loss_plot(result)              # the training loss per step; with fit(..., eval_data=), the validation loss
     >>> timeline_plot([("device", "backward 11", 0.0, 0.8), ("cpu", "update 11", 0.5, 1.1)])
 
 Each function draws on ``ax`` when given, else on a new figure, and returns the Figure. They use matplotlib's
@@ -218,6 +220,45 @@ def step_time_plot(results, ax=None):
     ax.set_ylabel(f"step time ({unit})")
     ax.set_title("step time: predicted vs measured (median after the first step)\n"
                  "above each pair: measured / predicted", fontsize="medium")
+    ax.legend(fontsize="small")
+    return fig
+
+
+# -- loss ------------------------------------------------------------------------------------------------------------
+
+def loss_plot(results, ax=None):
+    """The training loss of every step and, where the run evaluated (``fit(..., eval_data=)``), the validation loss
+    after its step, dashed with markers in the same colour: the curves to tell overfitting from training.
+
+        >>> loss_plot(nbtrain.fit(model, batches, plan="dp_shard=2", steps=100, num_processes=2,
+        ...                       eval_data=held_out, eval_every=10))
+        >>> loss_plot({"lr 3e-4": a, "lr 1e-3": b})             # two runs compared, labelled
+
+    ``results`` is a FitResult, a list of them, or a dict label → FitResult (one run's curves are labelled
+    "training" and "validation"; several runs' "LABEL: training" and "LABEL: validation").
+    """
+    runs = _labelled_results(results)
+    if not runs:
+        raise InvalidArgumentError("loss_plot got no runs; give a FitResult, a list of them or a dict")
+    for label, run in runs:
+        if not getattr(run, "records", None):
+            raise InvalidArgumentError(f"run {label!r} has no steps to plot; give the FitResult that nbtrain.fit "
+                                       "returned")
+    fig, ax = _canvas(ax, (7, 4.2))
+    one = len(runs) == 1
+    for i, (label, run) in enumerate(runs):
+        prefix, color = ("" if one else f"{label}: "), f"C{i % 10}"
+        ax.plot([r.step for r in run.records], [r.loss for r in run.records], color=color, linewidth=1.4,
+                label=f"{prefix}training")
+        held = run.eval_losses
+        if held:
+            ax.plot(list(held), list(held.values()), color=color, linestyle="--", marker="o", markersize=4,
+                    label=f"{prefix}validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    title = f"loss under {runs[0][1].plan}" if one else "loss per step"
+    ax.set_title(textwrap.fill(title + (" (validation: held-out batches, eval mode)"
+                                        if any(run.eval_losses for _, run in runs) else ""), 80), fontsize="medium")
     ax.legend(fontsize="small")
     return fig
 

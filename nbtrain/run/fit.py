@@ -44,6 +44,7 @@ from nbtrain.run.state.pretrained import resolve_weights
 from nbtrain.run.state.weights import load_trained
 from nbtrain.run.parallel.stage_check import check_stages
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
+from nbtrain.run.evaluation import check_eval_every, eval_set
 from nbtrain.run.fit_result import FitResult
 from nbtrain.run.predict_here import predict_here
 from nbtrain.run.fit_worker import RunSettings, fit_worker
@@ -125,7 +126,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True,
         accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None,
         tokens_per_step: int | None = None, bounds=None, memory=None, init_fn: Callable | None = None,
-        weights=None, save_pretrained=None) -> FitResult:
+        weights=None, save_pretrained=None, eval_data=None, eval_every: int | None = None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -167,6 +168,12 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     (:mod:`nbtrain.run.state.hf_folder`); a model built on meta then gets no weights back in the notebook (the
     result names the folder).
 
+    ``eval_data`` (a list of held-out batches, as ``data`` holds them, each the plan's global batch) is evaluated
+    under the same plan after every ``eval_every``-th step and after the last (by default only after the last):
+    forward only, the model in eval mode, without changing the training (:mod:`nbtrain.run.evaluation`). The
+    validation loss, the mean over every counted target of the set as one process computes it, is in the step
+    table beside the training loss, in ``result.eval_losses`` (step → loss) and ``result.eval_loss`` (the last).
+
     ``data`` may also be *documents*: token sequences of any length (1-D tensors, lists of ints, ``datasets`` rows
     with ``input_ids``). Each step then takes ``tokens_per_step`` tokens of them (default 8 rows of the longest
     bound), bucketed by length into rows of ``bounds`` (powers of two; default from 256 to the model's context);
@@ -183,7 +190,12 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     positive_int(steps, f"steps must be a positive integer, got {steps!r}")
     check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
     adamw = _check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
+    eval_every = check_eval_every(eval_every, eval_data)
     if is_documents(data):
+        if eval_data is not None:
+            raise InvalidArgumentError("eval_data= is not taken with documents (token sequences of any length, "
+                                       "trained in length buckets); evaluate the trained model afterwards, or give "
+                                       "(ids, targets) batches")
         from nbtrain.run.fit_documents import fit_documents
 
         given = {"loss_fn": loss_fn is not lm_loss, "precision": precision != "fp32", "accumulate": accumulate != 1,
@@ -248,6 +260,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     shape = dict(global_batch=plan.global_batch, seq_len=plan.seq_len if plan.pp > 1 else None, vocab_size=vocab,
                  lm_targets=lm_targets)
     get_batch = checked(get_batch, steps * accumulate, shape)
+    evaluation = None if eval_data is None else eval_set(
+        eval_data, shape=shape, windows=bool(lm_targets and vocab), accumulate=accumulate, every=eval_every)
     if accumulate > 1:
         get_batch = AccumulatedBatches(get_batch, accumulate)
         plan = plan.replace(global_batch=plan.global_batch * accumulate, microbatches=plan.microbatches * accumulate)
@@ -273,7 +287,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
                every_rank=launched_externally(), adamw=adamw, tp_plan=tp_plan, optimizer=optimizer, init_fn=init_fn,
                weights=starting, save_pretrained=hf_folder,
                files=None if hf_folder is None else file_of_each_tensor(model),
-               gather=not (hf_folder is not None and has_meta(model)), forked=not runs_in_this_process(num_processes))
+               gather=not (hf_folder is not None and has_meta(model)), forked=not runs_in_this_process(num_processes),
+               evaluation=evaluation)
     here = runs_in_this_process(num_processes)
     # Each worker trains a meta twin of the model, filled from this one (run/state/materialize.py): run here too,
     # the caller's model is only read, never converted in place (FSDP2 swaps a module's class, TP its parameters

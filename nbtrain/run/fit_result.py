@@ -1,6 +1,6 @@
 """What :func:`nbtrain.run.fit.fit` returns: every step's record as rank 0 saw it, where the trained weights went,
-and the step table (``print(result)``: loss, time, tokens/s and peak memory per step, the measured step time and
-memory beside the predicted ones)."""
+and the step table (``print(result)``: loss, time, tokens/s and peak memory per step, the validation loss where the
+run evaluated, the measured step time and memory beside the predicted ones)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,18 @@ class FitResult:
         return [r.loss for r in self.records]
 
     @property
+    def eval_losses(self) -> dict[int, float]:
+        """The validation loss after each step that evaluated (``fit(..., eval_data=)``), by step; empty without
+        ``eval_data``."""
+        return {r.step: r.eval_loss for r in self.records if r.eval_loss is not None}
+
+    @property
+    def eval_loss(self) -> float | None:
+        """The last validation loss (after the last step: the trained model's), or None without ``eval_data``."""
+        losses = self.eval_losses
+        return losses[max(losses)] if losses else None
+
+    @property
     def measured_step_s(self) -> float:
         """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
         own = self.records[self.resumed_at:] or self.records  # the steps before a resume came from the checkpoint
@@ -62,11 +74,14 @@ class FitResult:
 
     def table(self) -> Table:
         cpu = not torch.cuda.is_available()
-        t = Table(["step", "loss", "time", "tokens/s", "tensors", *(["resident"] if cpu else [])], align="rrrrrr")
+        evaluated = bool(self.eval_losses)
+        t = Table(["step", "loss", *(["val loss"] if evaluated else []), "time", "tokens/s", "tensors",
+                   *(["resident"] if cpu else [])], align="rrrrrrr")
         t.title = f"trained under: {self.plan}"
         for r in self.records:
             tensors = format_bytes(r.tensor_bytes) if r.tensor_bytes is not None else "—"
-            t.add(r.step, f"{r.loss:.4f}", format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}", tensors,
+            val = ([f"{r.eval_loss:.4f}" if r.eval_loss is not None else "—"] if evaluated else [])
+            t.add(r.step, f"{r.loss:.4f}", *val, format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}", tensors,
                   *([format_bytes(r.peak_memory_bytes)] if cpu else []))
         line = f"measured step time (median after the first): {format_seconds(self.measured_step_s)}"
         if self.predicted_step_s is not None:
@@ -85,6 +100,12 @@ class FitResult:
         if cpu:
             t.footer.append(f"resident: {format_bytes(max(r.peak_memory_bytes for r in self.records))} at the peak "
                             "(rank 0's process, torch itself included)")
+        if evaluated:
+            passes = [r.eval_s for r in self.records[self.resumed_at:] if r.eval_s is not None]
+            took = f"; {len(passes)} evaluations here, {format_seconds(statistics.median(passes))} each (median; " \
+                   "not in the step times)" if passes else ""
+            t.footer.append(f"val loss: the held-out batches' mean loss after the step, in eval mode without "
+                            f"gradients, under the same plan; last {self.eval_loss:.4f}{took}")
         if self.rank_memory:
             ranks = " · ".join(f"rank {i} {format_bytes(before)} / {format_bytes(during)}"
                                for i, (before, during) in enumerate(self.rank_memory))

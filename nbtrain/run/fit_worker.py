@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from nbtrain.planner.plan import Plan
+from nbtrain.run.evaluation import EvalSet
 from nbtrain.run.parallel.traced_stages import example_microbatch
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.trainer import StepRecord, progress_bar
@@ -70,6 +71,8 @@ class RunSettings:
     """With ``save_pretrained``: the file of each tensor (made from the notebook's model)."""
     gather: bool = True
     """Whether rank 0 gathers the trained weights for the notebook."""
+    evaluation: EvalSet | None = None
+    """The held-out batches to evaluate on, and when (``fit(..., eval_data=, eval_every=)``), or None."""
 
 
 def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
@@ -159,8 +162,9 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
 
 
 def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: bool) -> list[StepRecord]:
-    """The step loop, from a checkpoint when resuming, saving one every ``checkpoint_every`` steps and at the end;
-    returns every step's record (a resumed run's earlier ones first)."""
+    """The step loop, from a checkpoint when resuming, evaluating on ``run.evaluation`` when it is due, saving one
+    every ``checkpoint_every`` steps and at the end; returns every step's record (a resumed run's earlier ones
+    first)."""
     import torch.distributed as dist
 
     from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
@@ -172,13 +176,19 @@ def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: 
         records = progress.records
     folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
     bar = progress_bar(run.steps, trainer.steps_done) if run.progress and rank0 else None
+    shown = {}  # the progress line: the last step's loss, and the last validation loss once there is one
     for step in range(trainer.steps_done, run.steps):
         record = trainer.step(*get_batch(step))
+        done = trainer.steps_done
+        if run.evaluation is not None and run.evaluation.due(done, run.steps):
+            started = time.perf_counter()
+            loss = trainer.evaluate(run.evaluation.batches, run.evaluation.weights)
+            record = dataclasses.replace(record, eval_loss=loss, eval_s=time.perf_counter() - started)
+            shown["val_loss"] = f"{loss:.4f}"
         records.append(record)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{record.loss:.4f}")
-        done = trainer.steps_done
+            bar.set_postfix(loss=f"{record.loss:.4f}", **shown)
         if folder is not None and (done == run.steps or (run.checkpoint_every and done % run.checkpoint_every == 0)):
             started = time.perf_counter()
             folder.save(state, Progress(done, trainer.schedule_epoch, records=records, plan=str(plan),

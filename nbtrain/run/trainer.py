@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from nbtrain.data import IGNORE
 from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
-from nbtrain.models.adapters import detect_family
+from nbtrain.models.adapters import detect_family, set_training
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss_context
@@ -62,6 +63,11 @@ class StepRecord:
     """The loss was not finite and the update was skipped (``on_nonfinite="skip"``)."""
     checkpoint_s: float | None = None
     """Seconds a checkpoint saved after this step took (not in ``seconds``), when one was."""
+    eval_loss: float | None = None
+    """The validation loss after this step, when the run evaluated then (``fit(..., eval_data=)``): the mean over
+    every counted target of the held-out batches, the model in eval mode (:meth:`Trainer.evaluate`)."""
+    eval_s: float | None = None
+    """Seconds that evaluation took (not in ``seconds``)."""
 
 
 def gradient_sync(model: nn.Module, enabled: bool, offloaded=None):
@@ -95,6 +101,34 @@ def counted_targets(targets) -> int | None:
 
 def _numel(targets) -> int:
     return targets.numel() if isinstance(targets, torch.Tensor) else -1
+
+
+def _varying_count(targets) -> int | None:
+    """The global batch's counted targets where micro-batches may count differently (some ``-100``), else None:
+    every micro-batch's share is then ``1/m``, exactly (:meth:`Trainer._share`)."""
+    counted = counted_targets(targets)
+    return counted if counted is not None and counted not in (0, _numel(targets)) else None
+
+
+@contextmanager
+def held_out(modules: list[nn.Module], device: torch.device):
+    """A pass that leaves training as it was: ``modules`` in eval mode (each module's own ``training`` flag put
+    back after, as torch defines it: :func:`~nbtrain.models.adapters.set_training`), no gradients, and the RNG
+    forked (the dropout masks of later steps are those of a run without the pass). FSDP2 keeps a root module's
+    parameters gathered after a forward, for the backward that follows; none follows here, so every FSDP2 module
+    frees them after the pass."""
+    flags = {id(m): (m, m.training) for root in modules for m in root.modules()}
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            for root in modules:
+                set_training(root, False)
+            yield
+        for module, _ in flags.values():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    finally:
+        for module, mode in flags.values():
+            module.training = mode
 
 
 def progress_bar(steps: int, done: int = 0):
@@ -195,21 +229,15 @@ class Trainer:
         started = time.perf_counter()
         reset_peak_memory(self.device)
         tokens = ids.numel() if is_token_ids(ids) else batch_shape(ids)[0]  # tokens, or samples
-        total_counted = counted_targets(targets)
-        # only where the counts differ between micro-batches: otherwise every share is 1/m, exactly as before
-        self._counted = total_counted if total_counted is not None and total_counted not in (0, _numel(targets)) \
-            else None
-        first = self.plan.stage_ranges()[self.meshes.stage][0]
-        ids, targets = self._local_batch(ids, first), self._local_batch(targets, self.plan.num_layers - 1)
-        ids, targets = to_device((ids, targets), self.device)  # only this rank's rows travel
+        self._counted = _varying_count(targets)
+        ids, targets = self._rows_here(ids, targets)
         # on a GPU the allocator's peak counts the tensors; the CPU has no allocator to ask
         saved = None if self.device.type == "cuda" else SavedActivations(exclude=self.model.parameters())
         with saved.hooks() if saved is not None else nullcontext():
             total = self._forward_backward(ids, targets)
-        per_stage = self.plan.devices_per_stage if self.pipeline is not None else dist.get_world_size()
         pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
         dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all
-        loss = float(total) / per_stage
+        loss = float(total) / self._per_stage
         if not math.isfinite(loss):  # the same value on every rank: all stop (or skip) before the update
             # (an offloaded optimizer's CPU updates may have started during backward; the run stops all the same)
             if self.on_nonfinite == "stop":
@@ -237,6 +265,53 @@ class Trainer:
         self.steps_done += 1
         return StepRecord(self.steps_done, loss, seconds, tokens / seconds, peak_memory(self.device), norm,
                           tensor_bytes=tensors)
+
+    @property
+    def _per_stage(self) -> int:
+        """The ranks whose summed losses make ``per_stage`` × the batch's (each slice's held by its TP ranks)."""
+        return self.plan.devices_per_stage if self.pipeline is not None else dist.get_world_size()
+
+    def _rows_here(self, ids, targets) -> tuple:
+        """This rank's rows of a global batch, on its device: the inputs as its stage's first layer gives them out,
+        the targets as the model's last layer does."""
+        first = self.plan.stage_ranges()[self.meshes.stage][0]
+        ids, targets = self._local_batch(ids, first), self._local_batch(targets, self.plan.num_layers - 1)
+        return to_device((ids, targets), self.device)  # only this rank's rows travel
+
+    def evaluate(self, batches: list, weights: list[int]) -> float:
+        """The validation loss of ``batches`` (global batches, as :meth:`step` takes them) under the plan: the mean
+        of their losses weighted by ``weights`` (what each averages over: its counted targets, or its rows), each
+        batch's loss computed as :meth:`step` computes a training loss, forward only (a pipeline runs its schedule's
+        ``eval()``). Every rank gets it. Training afterwards goes on as if this had not run: eval mode (dropout off,
+        BatchNorm's running statistics left alone) and no gradients inside :func:`held_out`, the RNG forked around
+        it, the optimizer, its schedule and the step count untouched."""
+        if self.offloaded:  # the last step's CPU updates land before a forward reads the weights (offload/landing.py)
+            self.optimizer.synchronize()
+        modules = [self.model] + ([self.pipeline.module] if self.pipeline is not None else [])
+        kept, totals = self._counted, []
+        try:
+            with held_out(modules, self.device):
+                for ids, targets in batches:
+                    self._counted = _varying_count(targets)  # the micro-batches' shares, as in a step
+                    totals.append(self._forward_only(*self._rows_here(ids, targets)))
+        finally:
+            self._counted = kept
+        total = torch.stack(totals)
+        dist.all_reduce(total)  # one collective for the whole set; every rank gets every batch's loss
+        losses = (total / self._per_stage).tolist()
+        return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
+
+    def _forward_only(self, ids, targets) -> torch.Tensor:
+        """The loss this rank holds of one global batch, forward only (zero where it holds none)."""
+        if self.pipeline is not None:
+            with self.autocast, loss_context(self.split_logits):
+                loss = self.pipeline.evaluate(ids, targets)
+            return loss if loss is not None else torch.zeros((), device=self.device)
+        m, total = self.plan.microbatches, torch.zeros((), device=self.device)
+        for x, y in zip(chunk_rows(ids, m), chunk_rows(targets, m)):
+            with self.autocast, loss_context(self.split_logits):
+                total += as_local(self.loss_fn(call_model(self.model, x, self.forward_kwargs), y) * self._share(y))
+        return total
 
     def _forward_backward(self, ids, targets) -> torch.Tensor:
         """Forward and backward of this rank's share of the batch: the loss it holds (zero where it holds none)."""

@@ -2,6 +2,7 @@
 
     >>> runner = PipelineRunner(model, plan, meshes, loss_fn)    # after parallelize(model, plan, meshes)
     >>> loss = runner.step(local_ids, local_targets)            # loss of this data-parallel slice, or None
+    >>> loss = runner.evaluate(local_ids, local_targets)        # the same, forward only (the validation loss)
 
 Stage ``i`` runs on devices ``[i·D, (i+1)·D)`` (pp is the outermost mesh axis); inside a stage the layers keep
 their data-parallel and tensor-parallel strategies. The stage module holds the model's own submodules, so the
@@ -151,20 +152,31 @@ class PipelineRunner:
         """Forward and backward of this data-parallel slice's rows (token ids, or any tensor, tuple or dict of
         them: the first stage's inputs); the last stage returns their loss (the sum of the micro-batches' weighted
         losses: their mean when they count alike)."""
+        loss = self._run(self.schedule.step, ids, targets)
+        self.sync_tied()
+        return loss.detach() if loss is not None else None
+
+    def evaluate(self, ids, targets) -> torch.Tensor | None:
+        """Forward only (the schedule's ``eval()``: no backward, no gradient reduction) of the rows :meth:`step`
+        takes, cut into the same micro-batches; the last stage returns their loss as :meth:`step` does. The
+        schedule sets its stage up again at each switch between eval and training (its receive buffers need
+        gradients in training only): a cost only the steps that evaluate pay."""
+        return self._run(self.schedule.eval, ids, targets)
+
+    def _run(self, schedule, ids, targets) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
         args, kwargs = call_arguments(ids) if self.first else ((), {})
         if self.first and self.traced is not None:
             self.traced.check_shapes(chunk_rows(ids, self.microbatches)[0])
         if self.first and self.last:
-            self.schedule.step(*args, target=targets, losses=losses, **kwargs)
+            schedule(*args, target=targets, losses=losses, **kwargs)
         elif self.first:
-            self.schedule.step(*args, **kwargs)
+            schedule(*args, **kwargs)
         elif self.last:
-            self.schedule.step(target=targets, losses=losses)
+            schedule(target=targets, losses=losses)
         else:
-            self.schedule.step()
-        self.sync_tied()
-        return torch.stack([as_local(loss) for loss in losses]).sum().detach() if self.last else None
+            schedule()
+        return torch.stack([as_local(loss) for loss in losses]).sum() if self.last else None
 
 
 def _embedding_group(plan: Plan, meshes: PlanMeshes):
