@@ -15,8 +15,6 @@ plan) is not priced, and the answer is the same: every partition at most that st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from nbtrain.planner.cost import CostModel
