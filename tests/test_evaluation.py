@@ -82,6 +82,12 @@ def qwen2():
     return build()
 
 
+def mixtral():
+    from tests.any_models import mixtral as build
+
+    return build()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("build, plan", [
     (llama, "dp_replicate=2"),
@@ -92,6 +98,7 @@ def qwen2():
     (llama, "dp_replicate=2 offload=1"),
     (qwen2, "pp=2 mb=2 schedule=gpipe"),
     (qwen2, "tp=2"),
+    (mixtral, "dp_shard=2 ep=2"),  # the experts spread over the ranks, tokens sent to them by all-to-all
 ])
 def test_the_validation_loss_under_each_plan_kind_is_one_processs_at_each_evaluation(build, plan):
     model = build()

@@ -456,6 +456,44 @@ def test_checkpoint_then_resume_goes_on_from_the_saved_step(shell, tmp_path, cap
     assert resumed.losses[:2] == pytest.approx(first.losses, rel=1e-6) and len(resumed.losses) == 3
 
 
+# --eval-data, --eval-every: a validation loss beside the training loss ---------------------------------------------
+
+HELD_OUT = ("g = torch.Generator().manual_seed(0)\n"
+            "ids = torch.randint(0, 256, (4, 17), generator=g)\nmine = [(ids[:, :-1], ids[:, 1:])]\n"
+            "held = [torch.randint(0, 256, (4, 17), generator=g) for _ in range(2)]\n")
+
+
+@pytest.mark.parametrize("setup, flags, message", [
+    ("", "--eval-data held", "--eval-data held is for training, and this cell only plans: add --launch, or leave "
+                             "out --eval-data"),
+    ("", "--launch --eval-every 2", "--eval-every 2: add --eval-data NAME, the held-out batches to evaluate on"),
+    ("", "--launch --data mine --eval-data held --eval-every 0", "--eval-every 0: must be a positive integer"),
+    ("", "--launch --eval-data held", "--eval-data held: add --data NAME, the batches to train on"),
+    ("import torch\n" + HELD_OUT, "--launch --data mine --eval-data nothing",
+     "--eval-data nothing: no variable 'nothing' in the notebook; define it first"),
+    ("five = 5", "--launch --data mine --eval-data five",
+     "--eval-data five: 'five' is a int; give a list of (ids, targets) global batches held out from training"),
+    ("def by_step(step): pass", "--launch --data mine --eval-data by_step",
+     "--eval-data by_step: 'by_step' is a function"),
+    ("empty = []", "--launch --data mine --eval-data empty", "--eval-data empty holds no batches"),
+])
+def test_eval_flags_it_cannot_use_are_one_line(shell, capsys, setup, flags, message):
+    shell.run_cell(setup)
+    assert message in refused(shell, f"--gpus 2 {flags}")
+    assert "training model here" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_eval_data_gives_the_validation_loss_in_the_table_and_the_result(shell, capsys):
+    body = SEEDED + HELD_OUT
+    _, result = _launch(shell, "--steps 2 --data mine --eval-data held --eval-every 1", body)
+    out = capsys.readouterr().out
+    assert sorted(result.eval_losses) == [1, 2] and result.eval_loss == result.eval_losses[2]
+    assert "val loss" in out and f"{result.eval_loss:.4f}" in out
+    _, once = _launch(shell, "--steps 2 --data mine --eval-data held", body)  # by default after the last step
+    assert list(once.eval_losses) == [2] and once.eval_loss == pytest.approx(result.eval_loss, rel=1e-6)
+
+
 # --tp-plan: a user's tensor-parallel plan for a model whose config carries none --------------------------------------
 
 PLAIN_LM = ("from tests.any_models import plain_lm\nnet = plain_lm()\n"

@@ -114,6 +114,20 @@ def check_data(data, name: str | None) -> None:
                                    "targets) global batches, or a function step → batch")
 
 
+def check_eval_data(data, name: str | None) -> None:
+    """``--eval-data``: a list (or other finite iterable) of held-out global batches; each evaluation goes through
+    all of them, so not a function of the step. Their shapes are checked by ``fit``, against the plan's batch."""
+    if data is None:
+        return
+    if callable(data) or isinstance(data, (str, bytes, dict, torch.Tensor)) or not hasattr(data, "__iter__"):
+        kind = "function" if callable(data) and not isinstance(data, nn.Module) else type(data).__name__
+        raise InvalidArgumentError(f"--eval-data {name}: {name!r} is a {kind}; give a list of (ids, targets) global "
+                                   "batches held out from training, shaped as the --data batches")
+    if isinstance(data, (list, tuple)) and not data:
+        raise InvalidArgumentError(f"--eval-data {name} holds no batches; give a list of (ids, targets) global "
+                                   "batches held out from training")
+
+
 def check_loss(loss_fn, name: str | None):
     """``--loss``: a function ``loss(output, targets)``; returned wrapped so that an error inside it is reported as
     the loss's, not as the model's."""
@@ -309,11 +323,12 @@ def vocab_size(model: nn.Module) -> int:
 def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
                lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
                checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
-               tp_plan: dict | None = None, weights=None, save_pretrained=None, calibrate: bool = True):
+               tp_plan: dict | None = None, weights=None, save_pretrained=None, calibrate: bool = True,
+               eval_data=None, eval_every: int | None = None):
     """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
     are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
-    ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``weights`` and ``save_pretrained`` are
-    :func:`nbtrain.fit`'s."""
+    ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``weights``, ``save_pretrained``, ``eval_data`` and
+    ``eval_every`` are :func:`nbtrain.fit`'s."""
 
     layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
@@ -349,4 +364,4 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
     return fit(model, data, plan=local, steps=steps, num_processes=processes, lr=lr, seed=seed,
                        loss_fn=loss_fn or lm_loss, cluster=here, timeout=timeout, checkpoint_dir=checkpoint_dir,
                        checkpoint_every=checkpoint_every, resume=resume, tp_plan=tp_plan, weights=weights,
-                       save_pretrained=save_pretrained)
+                       save_pretrained=save_pretrained, eval_data=eval_data, eval_every=eval_every)

@@ -5,8 +5,8 @@
 Every value nbtrain cannot use is one ``UsageError`` line that names the flag and what to write instead: training
 counts that are not positive (the planning flags' counts and ``--dtype`` are refused while the line is parsed,
 :mod:`nbtrain.plan_flags`), a size it cannot read, a name ``-o`` cannot bind, flags that only mean something with
-``--launch`` (or ``--export``) given without it, checkpoint flags that contradict each other, and a process count
-the plan cannot be scaled to. The defaults of the training flags are filled in here, once they are known to apply.
+``--launch`` (or ``--export``) given without it, checkpoint flags that contradict each other, ``--eval-every``
+without ``--eval-data`` and ``--eval-data`` without ``--data``, and a process count the plan cannot be scaled to. The defaults of the training flags are filled in here, once they are known to apply.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def check_line(args, *, local_devices) -> int | None:
     """Check the parsed line ``args`` and fill in the training defaults; the memory budget in bytes (or None).
     ``local_devices()`` is the default process count here (called only when a launch or export needs it)."""
     _check_needs_launch(args)
+    _check_eval_flags(args)
     _check_checkpoint_flags(args)
     if args.processes is None and (args.launch or args.export):
         args.processes = local_devices()
@@ -67,7 +68,8 @@ def _memory(text: str | None) -> int | None:
     return budget
 
 
-_LAUNCH_ONLY = ("timeout", "checkpoint_dir", "checkpoint_every", "resume", "weights", "save_pretrained")
+_LAUNCH_ONLY = ("timeout", "checkpoint_dir", "checkpoint_every", "resume", "weights", "save_pretrained", "eval_data",
+                "eval_every")
 _TRAINING = ("processes", "steps", "lr", "seed", "data")
 
 
@@ -87,6 +89,18 @@ def _check_needs_launch(args) -> None:
         also = "" if flag in _LAUNCH_ONLY else " (or --export PATH, whose notebook trains)"
         raise UsageError(f"{name} {value} is for training, and this cell only plans: add --launch{also}, or leave "
                          f"out {name}")
+
+
+def _check_eval_flags(args) -> None:
+    if args.eval_every is not None and args.eval_data is None:
+        raise UsageError(f"--eval-every {args.eval_every}: add --eval-data NAME, the held-out batches to evaluate on")
+    if args.eval_every is not None and args.eval_every < 1:
+        raise UsageError(f"--eval-every {args.eval_every}: must be a positive integer (evaluate after every N-th "
+                         "step); leave it out to evaluate once, after the last step")
+    if args.eval_data is not None and args.data is None:
+        raise UsageError(f"--eval-data {args.eval_data}: add --data NAME, the batches to train on; the held-out "
+                         "batches take their shape (the plan's global batch), which the text the magic makes "
+                         "without --data does not promise")
 
 
 def _check_checkpoint_flags(args) -> None:

@@ -59,6 +59,12 @@ class AutoparallelMagics(Magics):
     @argument("--data", metavar="NAME", help="a list of (inputs, targets) global batches, or a function step → "
                                              "batch, to train on with --launch (default: standard-library text); "
                                              "or documents of any length, bucketed and hot-switched")
+    @argument("--eval-data", metavar="NAME", help="with --launch and --data, a list of held-out (inputs, targets) "
+                                                 "global batches: the validation loss is evaluated on them under the "
+                                                 "plan after the last step (and every --eval-every steps), shown in "
+                                                 "the step table and as a curve beside the training loss")
+    @argument("--eval-every", type=int, default=None, metavar="N", help="with --eval-data, evaluate after every N-th "
+                                                                       "step too")
     @argument("--loss", metavar="NAME", help="a function loss(output, targets) (default: next-token cross-entropy)")
     @argument("--tp-plan", metavar="NAME", help="a tensor-parallel plan, {'blocks.*.fc1': 'colwise', ...}, for a "
                                                 "model whose config carries none")
@@ -117,7 +123,8 @@ class AutoparallelMagics(Magics):
     def _run(self, args, cell: str):
         from nbtrain.notebook import flags
         from nbtrain.models.description import check_tensor_parallel_plan
-        from nbtrain.notebook.cell import check_data, check_loss, find_model, plan_model, snapshot, train_here
+        from nbtrain.notebook.cell import (check_data, check_eval_data, check_loss, find_model, plan_model, snapshot,
+                                           train_here)
         from nbtrain.planner.report import comparison_table
         from nbtrain.run.fit_documents import is_documents
 
@@ -127,6 +134,8 @@ class AutoparallelMagics(Magics):
         namespace = self.shell.user_ns
         if args.data in namespace:  # made by an earlier cell: checked before this cell's code runs
             check_data(namespace[args.data], args.data)
+        if args.eval_data in namespace:
+            check_eval_data(namespace[args.eval_data], args.eval_data)
         if args.loss in namespace:
             check_loss(namespace[args.loss], args.loss)
         before = snapshot(namespace)
@@ -139,7 +148,9 @@ class AutoparallelMagics(Magics):
         name, model = find_model(namespace, before, args.model)
         data, loss_fn = self._lookup(args.data, "--data"), self._lookup(args.loss, "--loss")
         tp_plan = self._lookup(args.tp_plan, "--tp-plan")
+        eval_data = self._lookup(args.eval_data, "--eval-data")
         check_data(data, args.data)
+        check_eval_data(eval_data, args.eval_data)
         checked_loss = check_loss(loss_fn, args.loss)  # profiling reports an error inside it as the loss's
         if tp_plan is not None:
             check_tensor_parallel_plan(model, tp_plan)
@@ -187,8 +198,12 @@ class AutoparallelMagics(Magics):
                                 checkpoint_dir=args.resume or args.checkpoint_dir,
                                 checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
                                 tp_plan=tp_plan, weights=args.weights, save_pretrained=args.save_pretrained,
-                                calibrate=args.calibrate)
+                                calibrate=args.calibrate, eval_data=eval_data, eval_every=args.eval_every)
             _show(result.table())
+            if result.eval_losses:  # the curves beside the table: a PNG, which papermill and exports keep
+                from nbtrain.notebook.plots import loss_plot
+
+                display(loss_plot(result))
             if result.state_dict:
                 print(f"the trained weights are in {name}")
             if result.save_pretrained:
@@ -203,6 +218,10 @@ class AutoparallelMagics(Magics):
         ``--launch`` trains it (``nbtrain.fit``)."""
         from nbtrain.run.switching.planned import plan_documents
 
+        if args.eval_data is not None:
+            raise UsageError(f"--eval-data {args.eval_data} with documents in --data: a run over documents does not "
+                             "evaluate (its steps take length buckets, not batches); leave it out, or give (ids, "
+                             "targets) batches in --data")
         for flag in ("gpus", "gpu", "batch", "seq", "loss", "tp_plan", "export"):
             if getattr(args, flag) not in (None, False):
                 raise UsageError(f"--{flag.replace('_', '-')} with documents in --data: the buckets are planned for "
