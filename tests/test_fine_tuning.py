@@ -60,3 +60,77 @@ def test_a_lora_models_tensor_parallel_plan_is_its_base_models_with_the_adapters
     assert block[f"{prefix}.self_attn.o_proj.lora_A.default"] == "rowwise"  # A by its input features
     assert f"{prefix}.self_attn.o_proj.lora_B.default" not in block  # B whole
     assert d.stages == "hf-decoder" and not d.no_tensor_parallel
+
+
+# -- adapters out, and in ---------------------------------------------------------------------------------------------
+
+def _batches(steps: int = 3):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [(ids, torch.roll(ids, -1, 1)) for ids in (torch.randint(0, zoo.VOCAB, (4, 16), generator=g)
+                                                       for _ in range(steps))]
+
+
+def test_a_lora_run_writes_peft_adapter_folder_and_the_merged_model_and_leaves_the_base_as_it_was(tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import nbtrain
+
+    model = zoo.lora_qwen2()
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    nbtrain.fit(model, _batches(), plan="dp_shard=2", steps=3, num_processes=2, progress=False, lr=1e-2,
+                save_pretrained=tmp_path / "adapters", save_merged=tmp_path / "merged")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapters").iterdir()}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in base.items())  # the frozen base: bit for bit
+    ids = _batches(1)[0][0]
+    with torch.no_grad():
+        trained = model(ids).logits
+        loaded = PeftModel.from_pretrained(zoo.qwen2(), tmp_path / "adapters")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits
+        untrained = zoo.qwen2()(ids).logits
+    assert (trained - untrained).abs().max() > 1e-3  # the adapters learned something
+    assert torch.equal(loaded, trained)
+    assert torch.allclose(merged, trained, atol=1e-5)
+
+
+def test_a_new_lora_on_a_base_folder_then_on_its_adapter_folder_starts_where_the_files_say(tmp_path):
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import nbtrain
+    from nbtrain.profiler.model import lm_loss
+
+    pretrained = zoo.qwen2()
+    pretrained.save_pretrained(tmp_path / "base")
+
+    def on_meta():
+        with torch.device("meta"):
+            base = type(pretrained)(pretrained.config)
+        return get_peft_model(base, LoraConfig(task_type="CAUSAL_LM"))
+
+    batches = _batches()
+    first = nbtrain.fit(on_meta(), batches, plan="dp_shard=2", steps=3, num_processes=2, progress=False, lr=1e-2,
+                        weights=tmp_path / "base", save_pretrained=tmp_path / "adapters")
+    # a new LoRA starts as its base (B = 0): the first loss is the pretrained model's own
+    assert first.losses[0] == pytest.approx(lm_loss(pretrained(batches[0][0]), batches[0][1]).item(), rel=1e-5)
+    again = nbtrain.fit(on_meta(), batches[:1], plan="tp=2", steps=1, num_processes=2, progress=False,
+                        weights=[tmp_path / "base", tmp_path / "adapters"])
+    loaded = PeftModel.from_pretrained(zoo.qwen2(), tmp_path / "adapters")
+    assert again.losses[0] == pytest.approx(lm_loss(loaded(batches[0][0]), batches[0][1]).item(), rel=1e-5)
+
+
+def test_merging_into_a_base_on_the_meta_device_is_refused_before_launch():
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import nbtrain
+    from nbtrain.errors import InvalidArgumentError
+
+    with torch.device("meta"):
+        model = get_peft_model(type(zoo.qwen2())(zoo.qwen2().config), LoraConfig(task_type="CAUSAL_LM"))
+    with pytest.raises(InvalidArgumentError, match="save_merged merges the adapters into the base weights in the "
+                                                   "notebook, where this model's base is on the meta device"):
+        nbtrain.fit(model, _batches(1), plan="dp_shard=2", steps=1, num_processes=2, save_merged="merged/")

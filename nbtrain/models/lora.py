@@ -64,3 +64,41 @@ def split_lora(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         for adapter in parts[2 if split == "lora_B" else 1]:
             out[f"{name}.{split}.{adapter}"] = style
     return out
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft model (``PeftModel`` and its task classes), by the attributes peft gives them."""
+    return isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(type(model), "get_base_model",
+                                                                                     None))
+
+
+def adapter_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of a peft model's adapters (``("default",)`` for one made by ``get_peft_model``)."""
+    return tuple(getattr(model, "peft_config", None) or ())
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """Whether a tensor of a peft model is a LoRA adapter's (A, B, or an embedding's LoRA)."""
+    return any(part in name for part in (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.",
+                                         ".lora_magnitude_vector."))
+
+
+def file_names(name: str, inner_path: str, adapters: tuple[str, ...]) -> list[str]:
+    """Names a peft model's tensor ``name`` has in the files people hold, besides its own: in a checkpoint of the base
+    model (``model.layers.0.self_attn.q_proj.weight`` for ``base_model.model.model.layers.0.self_attn.q_proj
+    .base_layer.weight``) and in peft's adapter folder (``...q_proj.lora_A.weight``: the adapter's name left out).
+
+        >>> file_names("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight", "base_model.model.",
+        ...            ("default",))
+        ['model.layers.0.mlp.up_proj.weight']
+        >>> file_names("base_model.model.model.layers.0.mlp.up_proj.lora_B.default.weight", "base_model.model.",
+        ...            ("default",))
+        ['base_model.model.model.layers.0.mlp.up_proj.lora_B.weight']
+    """
+    if is_adapter_tensor(name):
+        for adapter in adapters:
+            name = name.replace(f".{adapter}.", ".")
+        return [name]
+    if inner_path and name.startswith(inner_path):
+        return [name[len(inner_path):].replace(".base_layer.", ".")]
+    return []

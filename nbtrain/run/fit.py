@@ -38,6 +38,8 @@ from nbtrain.run.batch_sources import (AccumulatedBatches, as_windows, batch_sou
 from nbtrain.profiler.inputs import inputs_like
 from nbtrain.run.batches import batch_shape, check_batch, is_token_ids, model_vocab_size
 from nbtrain.run.state.checkpoint import folder_for_run, with_resume_hint
+from nbtrain.models.lora import is_peft
+from nbtrain.run.state.adapter_folder import check_adapter_folder, write_adapters, write_merged
 from nbtrain.run.state.hf_folder import check_folder, file_of_each_tensor
 from nbtrain.run.state.materialize import check_materializable, has_meta
 from nbtrain.run.state.pretrained import resolve_weights
@@ -126,7 +128,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True,
         accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None,
         tokens_per_step: int | None = None, bounds=None, memory=None, init_fn: Callable | None = None,
-        weights=None, save_pretrained=None, eval_data=None, eval_every: int | None = None) -> FitResult:
+        weights=None, save_pretrained=None, save_merged=None, eval_data=None,
+        eval_every: int | None = None) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
     device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
@@ -166,7 +169,12 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     reading only what it holds, checked against the model before anything starts. ``save_pretrained`` (a folder)
     writes the trained model there as a Hugging Face folder that ``from_pretrained`` loads, every rank its part
     (:mod:`nbtrain.run.state.hf_folder`); a model built on meta then gets no weights back in the notebook (the
-    result names the folder).
+    result names the folder). A peft model (LoRA) gets its adapters back into the notebook (its frozen base is
+    never gathered), and ``save_pretrained`` writes peft's adapter folder, which ``PeftModel.from_pretrained``
+    loads; ``save_merged`` (a folder) writes the base with the adapters merged in, as ``from_pretrained`` loads it
+    (:mod:`nbtrain.run.state.adapter_folder`). ``weights`` may then name a base model's folder and an adapter
+    folder, ``[base, adapters]``: each tensor is read from the last that holds it, and adapters no folder holds
+    start from their own values (a new LoRA on a pretrained base).
 
     ``eval_data`` (a list of held-out batches, as ``data`` holds them, each the plan's global batch) is evaluated
     under the same plan after every ``eval_every``-th step and after the last (by default only after the last):
@@ -201,7 +209,8 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         given = {"loss_fn": loss_fn is not lm_loss, "precision": precision != "fp32", "accumulate": accumulate != 1,
                  "optimizer": optimizer is not None, "tp_plan": tp_plan is not None, "save_dir": save_dir is not None,
                  "decay_norms_and_biases": not decay_norms_and_biases, "weights": weights is not None,
-                 "save_pretrained": save_pretrained is not None, "init_fn": init_fn is not None}
+                 "save_pretrained": save_pretrained is not None, "save_merged": save_merged is not None,
+                 "init_fn": init_fn is not None}
         return fit_documents(model, data, plan=plan, steps=steps, num_processes=num_processes, lr=lr,
                              lr_schedule=lr_schedule, clip_norm=clip_norm, seed=seed, cluster=cluster,
                              progress=progress, timeout=timeout, on_nonfinite=on_nonfinite,
@@ -243,7 +252,10 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
                                    "as one tensor, or plan with pp=1")
     check_materializable(model, init_fn, traced)
     starting = None if weights is None else resolve_weights(weights, model)  # before anything is launched
-    hf_folder = None if save_pretrained is None else check_folder(save_pretrained)
+    peft = is_peft(model)  # its adapters are written in the notebook by peft itself (adapter_folder.py)
+    adapters_to = None if save_pretrained is None or not peft else check_adapter_folder(model, save_pretrained)
+    merged_to = None if save_merged is None else check_adapter_folder(model, save_merged, merged=True)
+    hf_folder = None if save_pretrained is None or peft else check_folder(save_pretrained)
     pipe = None
     if traced:  # refused here, before the workers: a model that cannot be traced, or cut where its stages begin
         pipe = check_traceable(model, description, plan, example_microbatch(ids, plan, 0))
@@ -303,7 +315,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         raise with_resume_hint(error, folder, steps) from None
     if state is not None:
         load_trained(model, state)
+    if adapters_to is not None:
+        write_adapters(model, adapters_to)
+    if merged_to is not None:
+        write_merged(model, merged_to)
     latest = folder.latest() if folder is not None else None
     return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
                      0 if start is None else start.step, None if latest is None else str(latest.path),
-                     rank_memory=peaks, save_pretrained=hf_folder)
+                     rank_memory=peaks, save_pretrained=hf_folder or adapters_to)

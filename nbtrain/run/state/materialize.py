@@ -79,18 +79,49 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def initializer(model: nn.Module, init_fn: Callable | None = None) -> Callable[[nn.Module], None]:
-    """What initialises one module of ``model`` (module docstring)."""
+    """What initialises one module of ``model`` (module docstring); a peft LoRA adapter as peft's default
+    (``init_lora_weights=True``) does: A as ``nn.Linear`` resets itself (Kaiming-uniform), B zeros, so that a new
+    LoRA starts as its base."""
     if init_fn is not None:
         return init_fn
     own = getattr(model, "_init_weights", None)
+    a_side, b_side = lora_sides(model)
 
     def init(module: nn.Module) -> None:
+        if id(module) in b_side:
+            nn.init.zeros_(module.weight)
+            return
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
-        if callable(own):
+        if callable(own) and id(module) not in a_side:
             own(module)
 
     return init
+
+
+def lora_sides(model: nn.Module) -> tuple[set[int], set[int]]:
+    """The ids of a peft model's LoRA A and B layers (none for another model)."""
+    from nbtrain.models.lora import lora_parts
+
+    a_side, b_side = set(), set()
+    for module in model.modules():
+        parts = lora_parts(module)
+        if parts is not None:
+            a_side |= {id(m) for m in parts[1].values()}
+            b_side |= {id(m) for m in parts[2].values()}
+    return a_side, b_side
+
+
+def lora_init_problem(model: nn.Module) -> str:
+    """Why a peft model built on meta cannot be initialised where it is materialised: an adapter whose
+    ``init_lora_weights`` is not peft's default (empty: it can)."""
+    for name, config in (getattr(model, "peft_config", None) or {}).items():
+        how = getattr(config, "init_lora_weights", True)
+        if how is not True:
+            return (f"adapter {name!r} is initialised as init_lora_weights={how!r}, which nbtrain does not redo on "
+                    "the meta device (it does peft's default: A Kaiming-uniform, B zero); build the LoRA model on the "
+                    "CPU, or with peft's default init")
+    return ""
 
 
 def uninitializable(model: nn.Module, init_fn: Callable | None = None) -> list[str]:
@@ -119,6 +150,9 @@ def check_materializable(model: nn.Module, init_fn: Callable | None, traced: boo
                                    "the CPU")
     if init_fn is not None and not callable(init_fn):
         raise InvalidArgumentError(f"init_fn must be a function of one module, got {type(init_fn).__name__}")
+    if init_fn is None and lora_init_problem(model):
+        raise InvalidArgumentError(f"{type(model).__name__} was built on the meta device, and its "
+                                   f"{lora_init_problem(model)}")
     missing = uninitializable(model, init_fn)
     if missing:
         raise InvalidArgumentError(

@@ -54,6 +54,10 @@ class Weights:
     """``"safetensors"`` (a Hugging Face folder) or ``"dcp"``: set by :func:`resolve_weights`."""
     keys: dict[str, str] = field(default_factory=dict)
     """The model's tensor name → the file's, for every tensor read (set by :func:`resolve_weights`)."""
+    saved_names: tuple[str, ...] = ()
+    """The first names the files hold, for messages."""
+    more: tuple["Weights", ...] = ()
+    """Further folders read after this one (an adapter folder after its base model's), each for its own tensors."""
 
 
 def _reader(kind: str, path: str):
@@ -121,8 +125,33 @@ def _mapped(key: str, mapping: dict[str, str]) -> str:
 
 
 def resolve_weights(weights, model: nn.Module) -> Weights:
-    """``weights`` (a path or :class:`Weights`) checked against ``model`` from the files' headers alone, with the
-    name of every tensor to read; raises :class:`InvalidArgumentError` with what is wrong (module docstring)."""
+    """``weights`` (a path or :class:`Weights`, or several: a base model's folder, then an adapter folder) checked
+    against ``model`` from the files' headers alone, with the name of every tensor to read; raises
+    :class:`InvalidArgumentError` with what is wrong (module docstring). Of several folders, a tensor is read from
+    the last that holds it. A peft model's tensors are also found under the names a base model's checkpoint and peft's
+    adapter folder give them, and its adapters, where no folder holds them, start from their own values (a new
+    LoRA on a pretrained base)."""
+    if isinstance(weights, (list, tuple)) and not isinstance(weights, Weights):
+        if not weights:
+            raise InvalidArgumentError("weights=[] names no folder; give one, or a base folder then an adapter folder")
+        parts = [_resolve(w, model) for w in weights]
+        covered = {name for part in parts for name in part.keys}
+        _refuse_missing(model, parts[-1].path if len(parts) == 1 else ", ".join(p.path for p in parts), covered,
+                        parts[-1].saved_names)
+        for i, part in enumerate(parts):  # the last folder holding a tensor is the one it is read from
+            later = {name for other in parts[i + 1:] for name in other.keys}
+            parts[i] = replace(part, keys={k: v for k, v in part.keys.items() if k not in later})
+        return replace(parts[0], more=tuple(parts[1:]))
+    part = _resolve(weights, model)
+    _refuse_missing(model, part.path, set(part.keys), part.saved_names)
+    return part
+
+
+def _resolve(weights, model: nn.Module) -> Weights:
+    """One folder's tensors matched to ``model``'s (those it lacks are left for :func:`_refuse_missing`)."""
+    from nbtrain.models.adapters import hf_inner
+    from nbtrain.models.lora import adapter_names, file_names
+
     weights = weights if isinstance(weights, Weights) else Weights(str(weights))
     kind, folder = _folder(Path(weights.path).expanduser())
     if kind == "dcp":
@@ -143,28 +172,39 @@ def resolve_weights(weights, model: nn.Module) -> Weights:
         prefix = "model."
     else:
         prefix = ""
+    inner, path = hf_inner(model)  # a peft model: the Hugging Face model's own names, and its mapping
     mapping = weights.key_mapping if weights.key_mapping is not None else \
-        dict(getattr(model, "_checkpoint_conversion_mapping", None) or {})
+        dict(getattr(inner, "_checkpoint_conversion_mapping", None) or {})
     by_model_name = {_mapped(k, mapping): k for k in saved}
-    base = getattr(model, "base_model_prefix", "") or ""
-    keys, missing = {}, []
+    base = getattr(inner, "base_model_prefix", "") or ""
+    adapters = adapter_names(model)
+    keys = {}
     for first, names in _model_tensors(model).items():
+        names = names + [n for name in names for n in file_names(name, path, adapters)] if adapters else names
         key = next((by_model_name[n] for n in names if n in by_model_name), None)
         if key is None and base:  # a base model's checkpoint into a model with a head (or the other way round)
             key = next((by_model_name[c] for n in names for c in (n.removeprefix(base + "."), f"{base}.{n}")
                         if c != n and c in by_model_name), None)
         if key is None:
-            missing.append(first)
             continue
         _check_tensor(model, first, saved[key], key, weights.path)
         keys[first] = prefix + key
+    return replace(weights, kind=kind, path=str(folder), keys=keys, saved_names=tuple(sorted(saved)[:3]))
+
+
+def _refuse_missing(model: nn.Module, where: str, covered: set[str], example: tuple[str, ...]) -> None:
+    """Raise naming the model's tensors no folder holds (a peft model's adapters may start from their own values)."""
+    from nbtrain.models.lora import adapter_names, is_adapter_tensor
+
+    peft = bool(adapter_names(model))
+    missing = [name for name in _model_tensors(model) if name not in covered
+               and not (peft and is_adapter_tensor(name))]
     if missing:
         raise InvalidArgumentError(
-            f"weights={weights.path!r} lacks {len(missing)} of {type(model).__name__}'s tensors: "
+            f"weights={where!r} lacks {len(missing)} of {type(model).__name__}'s tensors: "
             f"{', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} (its names: "
-            f"{', '.join(sorted(saved)[:3])} …); a checkpoint of another model, or of other names: give "
+            f"{', '.join(example)} …); a checkpoint of another model, or of other names: give "
             "key_mapping={file pattern: model name}, as from_pretrained takes it")
-    return replace(weights, kind=kind, path=str(folder), keys=keys)
 
 
 def _check_tensor(model: nn.Module, name: str, saved, key: str, path: str) -> None:
@@ -191,8 +231,11 @@ def load_weights(model: nn.Module, weights: Weights, mine: tuple[str, ...]) -> N
     import torch.distributed.checkpoint as dcp
 
     tensors = trained_tensors(model, mine)
-    state = {weights.keys[name]: t for name, t in tensors.items() if name in weights.keys}
-    with torch.no_grad(), warnings.catch_warnings():
-        # without a process group (nbtrain verify's one process) DCP reads everything here, which is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(for_dcp({k: t.detach() for k, t in state.items()}), storage_reader=_reader(weights.kind, weights.path))
+    for part in (weights, *weights.more):
+        state = {part.keys[name]: t for name, t in tensors.items() if name in part.keys}
+        if not state:  # this stage holds none of that folder's tensors
+            continue
+        with torch.no_grad(), warnings.catch_warnings():
+            # without a process group (nbtrain verify's one process) DCP reads everything here, which is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(for_dcp({k: t.detach() for k, t in state.items()}), storage_reader=_reader(part.kind, part.path))

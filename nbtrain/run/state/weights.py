@@ -36,10 +36,11 @@ def layer_prefixes(model: nn.Module, start: int = 0, end: int | None = None) -> 
                  for parent, attr in slots)
 
 
-def _state(model: nn.Module, full: bool) -> dict:
+def _state(model: nn.Module, full: bool, frozen: bool = True) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=full,
+                                                                 ignore_frozen_params=not frozen))
     from nbtrain.run.state.training_state import canonical_name
 
     return {canonical_name(k, False): v for k, v in state.items()}  # without checkpoint_wrapper's part
@@ -49,9 +50,15 @@ def gather_trained(model: nn.Module, plan, mine: tuple[str, ...], buffers: bool 
     """The whole trained state dict on rank 0 (None elsewhere): full tensors on every rank of a stage (with
     ``cpu_offload`` only global rank 0 would get them, and it does not hold the other stages' weights), then each
     stage's first rank sends the weights its stage trained. Another stage's layers, never allocated here (a model
-    built on meta), are left out. ``buffers``: the non-persistent buffers too (tables a model computes in
-    ``__init__``, which a notebook model built on meta lacks)."""
-    state = {k: v.detach().cpu() for k, v in _state(model, full=True).items() if not v.is_meta}
+    built on meta), are left out. ``buffers``: the notebook's model is on meta, so it needs the non-persistent
+    buffers too (tables a model computes in ``__init__``) and its frozen weights (none changed, but the notebook
+    has none), except a peft model's: the notebook gets its adapters back, its base stays where it was read from.
+    A notebook model with its weights gets back only what training changes: frozen weights stay as they are there,
+    bit for bit, and are never gathered."""
+    from nbtrain.models.lora import is_peft
+
+    frozen = buffers and not is_peft(getattr(model, "module", model))
+    state = {k: v.detach().cpu() for k, v in _state(model, full=True, frozen=frozen).items() if not v.is_meta}
     if buffers:
         state.update({k: v.detach().cpu() for k, v in _buffers(model).items() if k not in state and not v.is_meta})
     first_of_stage = dist.get_rank() % plan.devices_per_stage == 0
@@ -77,15 +84,21 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_trained(model: nn.Module, state: dict) -> nn.Module:
     """Put the gathered ``state`` into the notebook's ``model``: copied into its tensors, or, for a model built on
     the meta device, in their place (tied parameters tied again, non-persistent buffers set too)."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    lacking = sorted(trainable - set(state))
+    if lacking:  # frozen weights need not come back (they did not change); every trained one must
+        raise InvalidArgumentError(f"the trained weights came back without {', '.join(lacking[:3])}")
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        model.load_state_dict(state)
+        model.load_state_dict(state, strict=False)
         return model
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     keys = set(model.state_dict())
-    model.load_state_dict({k: v for k, v in state.items() if k in keys}, assign=True)
+    model.load_state_dict({k: v for k, v in state.items() if k in keys}, assign=True, strict=False)
     for names in aliases.values():  # assign gave each name its own tensor: one parameter again, the first name's
+        if not any(n in state for n in names):  # a frozen weight that did not come back (a peft model's base)
+            continue
         first = model.get_parameter(next((n for n in names if n in state), names[0]))
         for name in names:
             owner, _, attr = name.rpartition(".")
