@@ -369,6 +369,11 @@ case("ids past the vocabulary", "magic")(  # ids 300 .. 553 for a model of 256
                                              "batches = [(ids, torch.zeros(4, 32, dtype=torch.long))]"))
 case("`--data` rows the scaled plan cannot split", "magic")(
     lambda e: e.magic(LAUNCH_ON_DATA, before="import torch\nbatches = [(torch.zeros(3, 32, dtype=torch.long),) * 2]"))
+case("`--eval-data` that is not held-out batches", "magic")(
+    lambda e: e.magic("--gpus 8 --launch --data batches --eval-data by_step", before="def by_step(step):\n    pass"))
+case("`--eval-data` without `--data`", "magic")(lambda e: e.magic("--gpus 8 --launch --eval-data held"))
+case("held-out batches of another shape than the training batches (`eval_data=`)", "Python")(
+    lambda e: e.raised(fit, tiny_gpt(), tiny_batches(2, rows=4), steps=1, eval_data=tiny_batches(1, rows=2)))
 
 # launch
 

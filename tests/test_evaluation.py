@@ -196,7 +196,10 @@ def test_the_loss_plot_draws_the_training_and_the_validation_curve():
     (dict(eval_data=[]), "eval_data holds no batches"),
     (dict(eval_data=windows(512, 1, seed=3), eval_every=0), "eval_every must be a positive integer"),
     (dict(eval_data=windows(512, 1, seed=3, rows=2)),
-     "eval_data batch 0: ids have 2 rows but the plan's global batch is 4; give every batch 4 sequences"),
+     "eval_data batch 0 has 2 rows, but the training batches have 4 (the plan's global batch); hold out batches "
+     "of 4 rows"),
+    (dict(eval_data=[(torch.zeros(4, 16), torch.zeros(4, 16, dtype=torch.long))]),
+     "eval_data batch 0: ids have dtype torch.float32; token ids must be an integer tensor"),
     (dict(eval_data=[(torch.zeros(4, 16, dtype=torch.long), torch.full((4, 16), -100))]),
      "every target of eval_data is -100"),
     (dict(eval_data=windows(512, 3, seed=3), accumulate=2), "eval_data holds 3 batches, but accumulate=2 stacks"),
@@ -206,6 +209,13 @@ def test_eval_data_it_cannot_use_is_refused_before_anything_is_launched(kwargs, 
     with pytest.raises(InvalidArgumentError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         nbtrain.fit(model, windows(512, 2, seed=1), plan="dp_shard=2", steps=1, num_processes=2, progress=False,
                     **kwargs)
+
+
+def test_held_out_rows_of_another_length_are_refused_for_a_pipeline_whose_stages_take_the_training_length():
+    with pytest.raises(InvalidArgumentError, match="^eval_data batch 1 has 8 tokens per row, but a pipeline's stages "
+                                                   "take the training batches' 16; hold out rows of 16 tokens"):
+        nbtrain.fit(llama(), windows(512, 2, seed=1), plan="pp=2 mb=2", steps=1, num_processes=2, progress=False,
+                    eval_data=windows(512, 1, seed=3) + windows(512, 1, seed=4, seq=8))
 
 
 def test_eval_data_is_refused_with_documents():

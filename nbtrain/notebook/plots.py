@@ -2,7 +2,7 @@
 the training and validation loss.
 
     >>> import nbtrain
-    >>> from nbtrain.notebook.plots import memory_plot, step_time_plot, timeline_plot
+    >>> from nbtrain.notebook.plots import loss_plot, memory_plot, step_time_plot, timeline_plot
     >>> prof = nbtrain.profile("gpt2", batch_size=1, seq_len=1024)
     >>> cluster = nbtrain.Cluster.from_catalog("H100", num_devices=8)
     >>> best = nbtrain.plan(prof, cluster, global_batch=32, seq_len=1024)
@@ -230,12 +230,16 @@ def loss_plot(results, ax=None):
     """The training loss of every step and, where the run evaluated (``fit(..., eval_data=)``), the validation loss
     after its step, dashed with markers in the same colour: the curves to tell overfitting from training.
 
-        >>> loss_plot(nbtrain.fit(model, batches, plan="dp_shard=2", steps=100, num_processes=2,
-        ...                       eval_data=held_out, eval_every=10))
-        >>> loss_plot({"lr 3e-4": a, "lr 1e-3": b})             # two runs compared, labelled
+        >>> import torch
+        >>> windows = torch.randint(0, 512, (6, 4, 33), generator=torch.Generator().manual_seed(0))
+        >>> batches = [(w[:, :-1], w[:, 1:]) for w in windows]
+        >>> result = nbtrain.fit(nbtrain.build_preset("gpt-tiny", device="cpu"), batches[:4], plan="dp_shard=2",
+        ...                      steps=4, num_processes=2, progress=False, eval_data=batches[4:], eval_every=2)
+        >>> fig = loss_plot(result)         # the training loss of steps 1-4, the validation loss after 2 and 4
 
-    ``results`` is a FitResult, a list of them, or a dict label → FitResult (one run's curves are labelled
-    "training" and "validation"; several runs' "LABEL: training" and "LABEL: validation").
+    ``results`` is a FitResult, a list of them, or a dict label → FitResult: ``loss_plot({"lr 3e-4": a, "lr 1e-3":
+    b})`` draws two runs, labelled (one run's curves are "training" and "validation"; several runs' "LABEL:
+    training" and "LABEL: validation").
     """
     runs = _labelled_results(results)
     if not runs:

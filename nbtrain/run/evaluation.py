@@ -1,9 +1,15 @@
 """Evaluation during training: a held-out loss under the run's plan, beside the training loss.
 
-    >>> result = nbtrain.fit(model, batches, plan="pp=2 mb=2 | dp_shard=2", steps=100, num_processes=4,
-    ...                      eval_data=held_out, eval_every=20)
-    >>> result.eval_losses                # {20: 3.41, 40: 3.12, 60: 2.98, 80: 2.91, 100: 2.87}
-    >>> result.eval_loss                  # the last: the trained model's
+    >>> import torch
+    >>> model = nbtrain.build_preset("llama-tiny", device="cpu")
+    >>> windows = torch.randint(0, 512, (6, 4, 33), generator=torch.Generator().manual_seed(0))
+    >>> batches = [(w[:, :-1], w[:, 1:]) for w in windows]         # 6 batches of 4 rows × 32 tokens
+    >>> result = nbtrain.fit(model, batches[:4], plan="pp=2 mb=2", steps=4, num_processes=2, progress=False,
+    ...                      eval_data=batches[4:], eval_every=2)    # 2 held out
+    >>> sorted(result.eval_losses)                  # the validation loss after steps 2 and 4
+    [2, 4]
+    >>> result.eval_loss == result.eval_losses[4]   # the last: the trained model's
+    True
 
 ``eval_data`` is a finite list of global batches, as ``fit``'s ``data`` holds them (``(inputs, targets)`` pairs, or
 2-D token-id tensors for a language model with the next-token loss), checked here, before anything is launched,
@@ -75,11 +81,7 @@ def eval_set(eval_data, *, shape: dict, windows: bool, accumulate: int = 1, ever
     if windows:
         items = [split_window(b) if is_token_window(b) else b for b in items]
     for i, batch in enumerate(items):
-        try:
-            items[i] = check_batch(batch, step=i, **shape)
-        except InvalidArgumentError as error:  # the same check as a training batch's, named as eval_data's
-            raise InvalidArgumentError(str(error).replace(f"batch of step {i}", f"eval_data batch {i}", 1)
-                                       .replace("give every step", "give every batch")) from None
+        items[i] = _checked(batch, i, shape)
     if len(items) % accumulate:
         raise InvalidArgumentError(f"eval_data holds {len(items)} batches, but accumulate={accumulate} stacks "
                                    f"{accumulate} batches per step and an evaluation as a step does; give a multiple "
@@ -92,6 +94,24 @@ def eval_set(eval_data, *, shape: dict, windows: bool, accumulate: int = 1, ever
         raise InvalidArgumentError("every target of eval_data is -100 (a position the loss ignores): there is no "
                                    "loss to evaluate; hold out batches whose targets count")
     return EvalSet([b for b, _ in kept], [w for _, w in kept], every)
+
+
+def _checked(batch, i: int, shape: dict) -> tuple:
+    """Batch ``i`` of ``eval_data`` as a training batch is checked, its shape against the training batches'."""
+    try:  # the same check as a training batch's, named as eval_data's
+        ids, targets = check_batch(batch, step=i, **{**shape, "global_batch": None, "seq_len": None})
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(str(error).replace(f"batch of step {i}", f"eval_data batch {i}", 1)) from None
+    rows, length = batch_shape(ids)
+    if shape["global_batch"] is not None and rows != shape["global_batch"]:
+        raise InvalidArgumentError(f"eval_data batch {i} has {rows} rows, but the training batches have "
+                                   f"{shape['global_batch']} (the plan's global batch); hold out batches of "
+                                   f"{shape['global_batch']} rows: an evaluation runs each as a step runs a batch")
+    if shape["seq_len"] is not None and length != shape["seq_len"]:
+        raise InvalidArgumentError(f"eval_data batch {i} has {length} tokens per row, but a pipeline's stages take "
+                                   f"the training batches' {shape['seq_len']}; hold out rows of {shape['seq_len']} "
+                                   "tokens")
+    return ids, targets
 
 
 def _weight(ids, targets) -> int:
