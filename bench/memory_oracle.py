@@ -65,6 +65,25 @@ def llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def lora_llama() -> nn.Module:
+    """:func:`llama` fine-tuned with peft's LoRA, r=16 on the attention's q, k, v and o (the base frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(llama(), LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                   "o_proj"]))
+
+
+lora_llama.meta_first = True
+
+
+def frozen_llama() -> nn.Module:
+    """:func:`llama` with its embedding and first block frozen (``requires_grad_(False)``), as people fine-tune."""
+    model = llama()
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+    return model
+
+
 @contextmanager
 def fake_world(world: int):
     """The fake process group at ``world`` ranks, this process rank 0; destroyed on the way out."""
@@ -103,8 +122,15 @@ def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int, precision: s
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16 FSDP2" else None
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16 autocast")
-    with FakeTensorMode():
-        model = parallelize(build(), plan, meshes, mixed_precision=policy)
+    if getattr(build, "meta_first", False):  # peft cannot make its adapters among fake tensors: build on meta
+        with torch.device("meta"):
+            built = build()
+    with FakeTensorMode(allow_non_fake_inputs=getattr(build, "meta_first", False)):
+        if getattr(build, "meta_first", False):
+            built.to_empty(device="cpu")  # fake tensors in place of the meta ones
+        else:
+            built = build()
+        model = parallelize(built, plan, meshes, mixed_precision=policy)
         kwargs = detect_family(model).forward_kwargs
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         ids = torch.randint(0, vocab, (plan.global_batch // plan.num_devices, plan.seq_len))
@@ -126,6 +152,8 @@ def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int, precision: s
 MODELS = {  # name: (build, vocabulary, sequence length)
     "nbtrain GPT": (gpt, 8192, 512),
     "transformers Llama": (llama, 16384, 256),
+    "Llama, LoRA r=16 on q,k,v,o": (lora_llama, 16384, 256),
+    "Llama, embedding and block 0 frozen": (frozen_llama, 16384, 256),
 }
 PLANS = ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "dp_shard={w} zero=2 ac",
          "pp=1 mb=2 | dp_shard={w}"]  # the last accumulates gradients over two micro-batches of one sequence

@@ -97,6 +97,64 @@ def test_zero3_holds_one_dp_shard_th_of_every_model_state():
     assert cost.transient == pytest.approx(32_000_000, rel=EXACT)
 
 
+def lora_toy(trained: int = 100_000):
+    """The toy model fine-tuned with LoRA: each block's 8M weights frozen but ``trained`` adapter parameters (the
+    embedding and head frozen whole); the profile's backward FLOPs are the blocks' input gradients only (what torch
+    computes with frozen weights: ~half), as the profiler counts them."""
+    prof = toy()
+    layers = [dataclasses.replace(x, trained_params=trained if x.kind == "block" else 0) for x in prof.layers]
+    return dataclasses.replace(prof, layers=tuple(layers))
+
+
+def test_a_frozen_weight_is_held_in_the_compute_dtype_with_no_gradient_and_no_optimizer_state():
+    cost = cost_model(prof=lora_toy()).layer(1, S(dp_replicate=8), microbatches=1)
+    # the frozen bf16 weights: 2 bytes each, no fp32 master (nothing updates them), no gradient, no moments; the
+    # 100k adapter parameters (among the block's 8M) also bf16 gradients 2 and fp32 master and moments 12:
+    # weights 2·8M, gradients 2·100k, optimizer 12·100k
+    assert dataclasses.asdict(cost.memory) == same_memory(
+        Memory(params=2 * P_BLOCK, grads=2 * 100_000, optimizer=12 * 100_000, activations=200_000))
+    zero3 = cost_model(prof=lora_toy()).layer(1, S(dp_shard=8), microbatches=1)
+    # ZeRO-3 shards the frozen weights too (FSDP2 shards every parameter): 2·8M/8; gradients and moments of the
+    # adapters /8; the transient: the gathered weights 2·8M and the adapters' unsharded gradient 2·100k
+    assert dataclasses.asdict(zero3.memory) == same_memory(
+        Memory(params=2_000_000, grads=25_000, optimizer=150_000, activations=200_000))
+    assert zero3.transient == pytest.approx(2 * P_BLOCK + 2 * 100_000, rel=EXACT)
+    frozen = cost_model(prof=lora_toy()).layer(0, S(dp_replicate=8), microbatches=1)
+    assert (frozen.memory.grads, frozen.memory.optimizer) == (0, 0)  # the embedding, frozen whole
+
+
+def test_frozen_weights_sync_and_update_nothing_and_a_frozen_layer_neither_syncs_nor_updates():
+    model, lora = cost_model(), cost_model(prof=lora_toy())
+    # DDP: the adapters' 100k fp32 gradients (0.4 MB) all-reduced over 8: 2 · 7/8 · 4e5 / 1e9 = 0.7 ms, × 1.3 =
+    # 0.91 ms, all under the block's 4 ms backward: nothing shows; the full model's 32 MB showed 68.8 ms
+    assert lora.layer(1, S(dp_replicate=8), 1).time.dp_comm == 0
+    assert model.layer(1, S(dp_replicate=8), 1).time.dp_comm == pytest.approx(0.0728 - 0.004, rel=EXACT)
+    # a layer with every weight frozen syncs nothing, even where its backward is short (the embedding)
+    assert lora.layer(0, S(dp_shard=8, zero=2), 1).time.dp_comm == 0
+    # the update: the device's own AdamW on its 100k / 8 adapters, against 8M / 8 for full training (a CPU cluster
+    # prices the device's update at 8e9 params/s per node shared by its 8 devices: 1e9 each; clipping off)
+    options = CostOptions(headroom=0, reserve_bytes=0, clip=False)
+    full_update = cost_model(device="cpu", options=options).layer(1, S(dp_shard=8), 1).time.update
+    lora_update = cost_model(prof=lora_toy(), device="cpu", options=options).layer(1, S(dp_shard=8), 1).time.update
+    assert (full_update, lora_update) == pytest.approx((P_BLOCK / 8 / 1e9, 100_000 / 8 / 1e9), rel=EXACT)
+
+
+def test_a_lora_run_fits_where_full_training_of_the_same_model_fits_only_with_its_update_on_the_cpu():
+    # one device, nothing reserved, a budget of 6 bytes a weight: LoRA holds 2 a weight (bf16), and for its trained
+    # adapters 14 more (bf16 gradients 2, fp32 master and moments 12); full training holds 16 a weight, or 4 with
+    # the optimizer state (12) on the CPU (offload=1)
+    weights = P_EMBED + 2 * P_BLOCK + P_HEAD
+    budget = 6 * weights
+    one = lambda prof: cost_model(1, prof=prof, devices=1, device_memory=budget)  # noqa: E731
+    lora = one(lora_toy()).estimate(plan(S(), devices=1, global_batch=1))
+    full = one(toy()).estimate(plan(S(), devices=1, global_batch=1))
+    offloaded = one(toy()).estimate(plan(S(offload=1.0), devices=1, global_batch=1))
+    adapters = 2 * 100_000
+    assert lora.memory_bytes == pytest.approx(2 * weights + 14 * adapters + lora.stages[0].memory.activations
+                                              + lora.stages[0].memory.transient, rel=EXACT)
+    assert lora.fits and not full.fits and offloaded.fits
+
+
 def test_hsdp_shards_over_dp_shard_only_and_replicates_over_dp_replicate():
     cost = cost_model().layer(1, S(dp_replicate=2, dp_shard=4), microbatches=1)
     # dp = 8 still splits the batch (b = 2) but the states are divided by dp_shard = 4 only

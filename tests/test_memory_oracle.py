@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 import nbtrain  # noqa: E402
-from bench.memory_oracle import counted, fake_world, llama, plan_for, predicted  # noqa: E402
+from bench.memory_oracle import counted, fake_world, frozen_llama, llama, lora_llama, plan_for, predicted  # noqa: E402
 
 VOCAB, SEQ = 16384, 256  # as bench/memory_oracle.py's Llama: the loss's log-probabilities are over half the saved bytes
 
@@ -72,3 +72,32 @@ def test_bf16_planner_memory_is_within_10_percent_of_fsdp2_mixed_precision(llama
         theirs, kinds = counted(llama, plan, VOCAB, precision="bf16 FSDP2")
     assert 0.9 <= mine / theirs <= 1.1, (f"{plan}: planner {mine / 2**20:.2f} MiB {parts} against the tracker's "
                                          f"{theirs / 2**20:.2f} MiB {kinds}")
+
+
+@pytest.fixture(scope="module")
+def fine_tuning_profiles():
+    """The oracle's Llama with peft's LoRA (r=16 on q, k, v, o) and with its embedding and first block frozen."""
+    profiles = {}
+    for build in (lora_llama, frozen_llama):
+        with torch.device("meta"):
+            model = build()
+        profiles[build] = nbtrain.profile(model, batch_size=1, seq_len=SEQ, dtype="fp32")
+    return profiles
+
+
+@pytest.mark.parametrize("build", [lora_llama, frozen_llama], ids=["lora", "frozen layers"])
+@pytest.mark.parametrize("plan", ["dp_shard=8", "dp_shard=8 zero=2", "dp_shard=8 ac"], ids=["zero3", "zero2", "ac"])
+def test_fine_tuning_plans_memory_is_within_10_percent_of_fsdp_mem_tracker_and_frozen_weights_hold_no_state(
+        fine_tuning_profiles, build, plan):
+    """Frozen weights (a LoRA base, layers frozen by hand) are held and gathered, but have no gradient and no AdamW
+    state: the planner's optimizer part is what torch's AdamW allocates for the trained ones only."""
+    profile = fine_tuning_profiles[build]
+    with fake_world(8):
+        plan = plan_for(plan, profile, 8, SEQ)
+        mine, parts = predicted(plan, profile)
+        theirs, kinds = counted(build, plan, VOCAB)
+    assert 0.9 <= mine / theirs <= 1.1, (f"{plan}: planner {mine / 2**20:.2f} MiB {parts} against the tracker's "
+                                         f"{theirs / 2**20:.2f} MiB {kinds}")
+    assert parts["optimizer"] == pytest.approx(kinds["opt"], rel=0.05)
+    trained = sum(layer.trained for layer in profile.layers)
+    assert parts["optimizer"] == pytest.approx(trained * 8 / 8, rel=1e-6)  # two fp32 moments, sharded over 8

@@ -126,8 +126,9 @@ class CostModel(LayerTerms):
         return self._eval(max(layer - 1, 0), "output_bytes", batch)
 
     def _grad_bytes(self, tp: int) -> float:
-        """Bytes of the whole model's gradients as the data-parallel reduction moves them, on one TP rank."""
-        return max(1.0, sum(layer.params for layer in self.profile.layers) * self.options.grad_reduce_bytes / tp)
+        """Bytes of the whole model's gradients as the data-parallel reduction moves them, on one TP rank (a frozen
+        weight has none)."""
+        return max(1.0, sum(layer.trained for layer in self.profile.layers) * self.options.grad_reduce_bytes / tp)
 
     def _arch_list(self, key: str, layer: int, default: int) -> int:
         """A per-layer fact of the profile (``tp_pairs``: the collectives TP issues each way), or ``default`` for a
@@ -166,6 +167,10 @@ class CostModel(LayerTerms):
         states = [model_states(dense, s, e)] + ([model_states(spread.params / s.ep, spread.strategy, e)] if spread
                                                 else [])
         params, grads, optimizer_state = (sum(part) for part in zip(*states))
+        # a frozen weight is held (in the compute dtype: nothing updates it, so no fp32 master copy) and gathered,
+        # but has no gradient, no optimizer state, nothing to sync, update or offload (LoRA's base, frozen layers)
+        trained = prof.trained_share
+        grads, optimizer_state = grads * trained, optimizer_state * trained
         held = dense + (spread.params / s.ep if spread else 0.0)  # what one rank gathers of the layer (ZeRO-3)
         full_act = self._tp_activations(index, s, b)
         loss_saved, loss_backward = self._loss_bytes(index, s, b, full_act)
@@ -182,8 +187,8 @@ class CostModel(LayerTerms):
         # in its backward the recomputed activations are back: all (full), or what ac=op dropped; the loss's backward
         # comes first, one after the other (memory_terms.loss_bytes)
         recomputed = max(0.0, full_act - act) if s.ac == "op" else full_act - loss_saved if s.ac else 0.0
-        transient = max(loss_backward, (held * e if s.zero == 3 and shard > 1 else 0.0) + (held * e if shard > 1 else 0.0)
-                        + recomputed)
+        transient = max(loss_backward, (held * e if s.zero == 3 and shard > 1 else 0.0)
+                        + (held * e * trained if shard > 1 else 0.0) + recomputed)
 
         fwd, bwd = self._compute(index, s, b)
         compute = fwd + bwd + (self._selective_recompute(index, s, b, fwd) if s.ac == "op" else fwd if s.ac else 0.0)
@@ -201,16 +206,16 @@ class CostModel(LayerTerms):
                                                                           self._latency(s.tp))
         if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
             tp_comm += (1 if index == 0 else passes - 1) * self._gather(s.tp, hidden)
-        zero3, dp_comm = self._data_parallel(index, s, dense, compute, bwd)
+        zero3, dp_comm = self._data_parallel(index, s, dense, compute, bwd, trained=trained)
         ep_comm = 0.0
         if spread:
             ep_comm = dispatch_seconds(links, world, self._gather, s.ep, hidden, spread.per_token, spread.experts,
                                        spread.factor, passes)
             zero3, dp_comm = (a + b for a, b in zip((zero3, dp_comm), self._data_parallel(
-                index, spread.strategy, spread.params / s.ep, compute, bwd, stride=s.ep)))
+                index, spread.strategy, spread.params / s.ep, compute, bwd, stride=s.ep, trained=trained)))
         # the update of what this rank holds: its shard of the layer, and under ep its experts' shard
-        offload, update = self._optimizer(index, s, dense + (spread.params / s.ep / spread.strategy.dp_shard * shard
-                                                             if spread else 0.0), bwd)
+        offload, update = self._optimizer(index, s, trained * (dense + (
+            spread.params / s.ep / spread.strategy.dp_shard * shard if spread else 0.0)), bwd)
         # once a step, spread over the schedule's pp + m − 1 slots (the module docstring's "Pipeline")
         per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / (microbatches + pp - 1))
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm) + per_step
@@ -218,12 +223,13 @@ class CostModel(LayerTerms):
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
     def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float,
-                       stride: int = 1) -> tuple[float, float]:
+                       stride: int = 1, trained: float = 1.0) -> tuple[float, float]:
         """(FSDP2's per-micro-batch gathers, the once-a-step gradient sync) of a layer of ``p`` parameters per TP
-        rank: as measured here where it was (:mod:`nbtrain.planner.link_costs`), else by bandwidth, over groups of
-        ranks ``stride`` apart (spread experts' peers: ``ep``), which may span more nodes."""
+        rank, ``trained`` of them trained (the others frozen: gathered, never synced): as measured here where it was
+        (:mod:`nbtrain.planner.link_costs`), else by bandwidth, over groups of ranks ``stride`` apart (spread experts'
+        peers: ``ep``), which may span more nodes."""
         e, opt, world = self.e, self.options, self.cluster.num_devices
-        shard, grad_bytes = s.dp_shard, p * opt.grad_reduce_bytes
+        shard, grad_bytes = s.dp_shard, p * trained * opt.grad_reduce_bytes
         zero3 = fsdp_seconds(self.links, world, s, self.profile.layers[index].kind, param_bytes=p * e)
         sync = 0.0
         if zero3 is None:
@@ -233,7 +239,9 @@ class CostModel(LayerTerms):
             zero3 = max(0.0, gathers - compute)
             sync = _ring(shard, grad_bytes, shard_bw, shard_lat)  # reduce-scatter (all-reduce = RS + all-gather)
             if shard > 1 and s.zero == 2:
-                sync += _ring(shard, p * e, shard_bw, shard_lat)  # gather the updated shard
+                sync += _ring(shard, p * trained * e, shard_bw, shard_lat)  # gather the updated shard
+        if not trained:  # every weight frozen: no gradient to sync
+            return zero3, 0.0
         replicas = replica_seconds(self.links, world, s, grad_bytes=grad_bytes,
                                    model_grad_bytes=self._grad_bytes(s.tp))
         if replicas is not None:

@@ -162,12 +162,12 @@ def _segment_names(family: ModelFamily, num_blocks: int) -> list[tuple[str, str]
 def _attribute_params(step: Step, module_segment: dict[nn.Module, int]):
     """Parameters owned per segment: blocks own their subtree; any other module belongs to the segment where it
     first ran. A parameter used by two segments (tied weights) is owned by the first and listed as tied in the
-    second. Returns ``(owned counts, tied names, parameters that never ran)``."""
+    second. Returns ``(owned counts, trained counts (requires_grad), tied names, parameters that never ran)``."""
     n = step.num_segments
     segment_of = dict(module_segment)
     for i, block in enumerate(step.blocks):
         segment_of.update((m, i + 1) for m in block.modules())
-    owned, tied = [0] * n, [[] for _ in range(n)]
+    owned, trained, tied = [0] * n, [0] * n, [[] for _ in range(n)]
     owner: dict[int, int] = {}
     unused = 0
     users = sorted(((segment_of.get(m, n), name, m) for name, m in step.model.named_modules()), key=lambda x: x[0])
@@ -179,9 +179,10 @@ def _attribute_params(step: Step, module_segment: dict[nn.Module, int]):
             elif segment < n:
                 owner[id(p)] = segment
                 owned[segment] += p.numel()
+                trained[segment] += p.numel() if p.requires_grad else 0
             else:
                 unused += p.numel()
-    return owned, tied, unused
+    return owned, trained, tied, unused
 
 
 def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bfloat16",
@@ -235,7 +236,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     finally:
         model.train(was_training)
 
-    owned, tied, unused = _attribute_params(step, asked.module_segment)
+    owned, trained, tied, unused = _attribute_params(step, asked.module_segment)
     notes = [family.note] if family.note else []
     if asked.expected_routing:
         notes.append("the experts' tokens depend on the data: each expert is counted at the expected load, k/E of the "
@@ -250,7 +251,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                          "other shapes are estimates")
         measured = {k: times[k][i] for k in ("time_fwd_s", "time_bwd_s")} if times else {}
         layers.append(LayerProfile(layer_name, kind, owned[i], owned[i] * torch_dtype.itemsize, **exact,
-                                   scaling=fits[i], tied=tuple(tied[i]), **measured))
+                                   scaling=fits[i], tied=tuple(tied[i]), **measured, trained_params=trained[i]))
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
     description = describe(model, tp_plan)
     arch.update(planner_facts(description))  # what the executor can split and cut, for the planner

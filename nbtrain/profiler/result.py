@@ -104,6 +104,21 @@ class LayerProfile:
     """Measured forward seconds on ``ModelProfile.measured_on`` (median of repeats), when measured."""
     time_bwd_s: float | None = None
     """Measured backward seconds, when measured."""
+    trained_params: int = -1
+    """Of :attr:`params`, those training updates (``requires_grad``): a LoRA model's adapters, the unfrozen layers.
+    The others are frozen: no gradient, no optimizer state, nothing to sync, update or offload (their backward
+    FLOPs and saved activations are already what torch computes without their weight gradients). -1: every one (a
+    profile saved before it was counted)."""
+
+    @property
+    def trained(self) -> int:
+        """Parameters training updates (all of them when the profile does not say)."""
+        return self.params if self.trained_params < 0 else self.trained_params
+
+    @property
+    def trained_share(self) -> float:
+        """The share of the layer's parameters training updates (1.0 for a layer without parameters)."""
+        return self.trained / self.params if self.params else 1.0
 
     def at(self, batch_size: int, seq_len: int) -> "LayerProfile":
         """This layer at another shape (measured times are dropped: they hold only for the measured shape)."""
