@@ -121,3 +121,17 @@ def test_a_second_search_at_another_budget_prices_no_layer_again(monkeypatch):
     search(profile, cluster, global_batch=32, memory=4 * 2**30)
     search(profile, cluster, global_batch=32, memory=3 * 2**30)
     assert priced == []
+
+
+def test_the_search_tells_layers_apart_by_every_field_but_their_names_and_timings():
+    """Blocks share one table and one cached frontier in the search only when nothing about them differs: a field
+    of the profile the search's own signature never named (``param_bytes`` here; which parameters train, when a
+    profile says so) tells a block apart, a measured time (noise between equal blocks) does not."""
+    from nbtrain.planner.search import layer_kinds
+
+    profile = PROFILES["llama-70b"]
+    layers = list(profile.layers)
+    layers[5] = dataclasses.replace(layers[5], param_bytes=layers[5].param_bytes // 2)
+    layers[6] = dataclasses.replace(layers[6], time_fwd_s=0.0123, time_bwd_s=0.0246)
+    kinds = layer_kinds(dataclasses.replace(profile, layers=tuple(layers)))
+    assert kinds[5] != kinds[4] == kinds[6] == kinds[7]

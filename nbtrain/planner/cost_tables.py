@@ -33,13 +33,18 @@ KEPT = 8
 """Tables kept: a notebook that moves between a few clusters, batches and lengths finds each again."""
 
 
-def twins(profile: ModelProfile) -> list[int]:
+MEASURED = ("time_fwd_s", "time_bwd_s")
+"""A layer's measured times: noise between equal blocks, which the search's layer kinds leave out."""
+
+
+def twins(profile: ModelProfile, *, measured: bool = True) -> list[int]:
     """A small id per layer; two layers share it when every input of :meth:`CostModel.layer` about them is equal:
     their profiles (every field but the name, the scaling's coefficients), the hidden state that enters them, and
     every per-layer fact of ``profile.arch`` (a list with an entry per layer, such as ``tp_pairs``,
     ``tp_whole_params``, ``layer_expert_params``: the layer's entry; any other list, such as the indices of
     ``tp_gathers_output``: whether it names the layer); the first layer always stands alone (its input is token
-    ids)."""
+    ids). ``measured=False`` leaves the measured times out (:func:`nbtrain.planner.search.layer_kinds`: the search
+    prices equal blocks once, however their timings scatter)."""
     layers, n = profile.layers, len(profile.layers)
 
     def facts(i: int) -> tuple:
@@ -51,7 +56,8 @@ def twins(profile: ModelProfile) -> list[int]:
 
     def signature(i: int) -> tuple:
         layer = layers[i]
-        fields = tuple(getattr(layer, f.name) for f in dataclasses.fields(layer) if f.name not in ("name", "scaling"))
+        left_out = ("name", "scaling") if measured else ("name", "scaling", *MEASURED)
+        fields = tuple(getattr(layer, f.name) for f in dataclasses.fields(layer) if f.name not in left_out)
         scaling = tuple(sorted((q, s.coeffs) for q, s in layer.scaling.items()))
         entering = layers[i - 1].scaling["output_bytes"].coeffs if i else None
         return i == 0, fields, scaling, entering, facts(i)

@@ -34,13 +34,13 @@ import numpy as np
 
 from nbtrain.planner.anytime import Clock, Found
 from nbtrain.planner.cost import CostModel, CostOptions
-from nbtrain.planner.cost_tables import shared_cost_model
+from nbtrain.planner.cost_tables import shared_cost_model, twins
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole, tie_crosses_stages
 from nbtrain.planner.search_space import SearchOptions, Task, tasks
 from nbtrain.planner.solver import SAFETY, Solver
 from nbtrain.profiler.hardware import Cluster
-from nbtrain.profiler.result import QUANTITIES, ModelProfile
+from nbtrain.profiler.result import ModelProfile
 
 
 def _allowed(profile: ModelProfile, options: SearchOptions) -> SearchOptions:
@@ -149,14 +149,10 @@ def _solve(model: CostModel, solvers: list[Solver], found: list, top: int, kinds
 
 def layer_kinds(profile: ModelProfile) -> list[int]:
     """A small id per layer; two layers share it when their costs are equal under every strategy: the same
-    profiled costs and the same input size (what TP collectives and re-layouts move)."""
-    def signature(i: int):
-        layer = profile.layers[i]
-        input_size = profile.layers[i - 1].scaling["output_bytes"].coeffs if i else None
-        costs = tuple(layer.scaling[q].coeffs for q in QUANTITIES if q in layer.scaling)
-        return layer.kind, layer.params, costs, input_size
-    ids: dict = {}
-    return [ids.setdefault(signature(i), len(ids)) for i in range(len(profile.layers))]
+    profile (every field but the name and the measured times; the scaling's coefficients), the same input size
+    (what TP collectives and re-layouts move) and the same per-layer facts (:func:`~nbtrain.planner.cost_tables.
+    twins`), so that a field a profile gains (which of a layer's parameters train, say) tells layers apart."""
+    return twins(profile, measured=False)
 
 
 def one_expert_degree(profile: ModelProfile, layers: list) -> tuple:
