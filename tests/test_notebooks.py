@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"
 SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True},
-         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}, "06_your_own_model": {}}
+         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}, "06_your_own_model": {}, "07_fine_tuning": {}}
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +96,16 @@ def test_your_own_model_trains_a_mistral_and_a_vit_on_its_own_data_and_loss(tmp_
     assert "the trained model is in" in everything and "tuned-llama (from_pretrained loads it)" in everything
     assert "generated: [1, 2, 3, 4," in everything
     assert everything.count("measured step time") == 3
+
+
+def test_fine_tuning_trains_lora_on_a_pretrained_model_evaluates_and_loads_the_adapters_back(tmp_path):
+    nb = execute(NOTEBOOKS / "07_fine_tuning.ipynb", tmp_path, smoke=True)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    assert "val loss" in everything and "frozen weights unchanged: True" in everything
+    assert "'adapter_config.json', 'adapter_model.safetensors'" in everything
+    loaded, reported = re.search(r"held-out loss of the loaded adapters: ([\d.]+); the run's last validation loss: "
+                                 r"([\d.]+)", everything).groups()
+    assert loaded == reported  # PeftModel.from_pretrained gives back the model the run evaluated
 
 
 def test_hybrid_parallel_tutorial_runs_and_every_plan_verifies(tmp_path):
