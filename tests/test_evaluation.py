@@ -153,6 +153,17 @@ def test_the_validation_loss_is_the_models_in_eval_mode_with_its_dropout_off():
     assert dropped != pytest.approx(expected, rel=1e-4)
 
 
+def test_with_accumulation_the_held_out_batches_are_stacked_as_a_steps_and_the_loss_is_the_sets():
+    model = llama()
+    train, held = windows(512, 4, seed=1), held_out(512)[:2]
+    result = nbtrain.fit(model, train, plan="mb=2 | dp_replicate=1", steps=2, num_processes=1, lr=LR, progress=False,
+                         accumulate=2, eval_data=held)
+    model.eval()
+    with torch.no_grad():  # every counted target of the set, as one process sums them
+        summed = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") for x, y in held)
+    assert result.eval_loss == pytest.approx(float(summed) / sum(int((y != -100).sum()) for _, y in held), rel=1e-5)
+
+
 def test_the_step_table_and_the_result_show_the_validation_loss():
     records = [StepRecord(step=i, loss=5.0 - i / 10, seconds=0.1, tokens_per_s=100.0, peak_memory_bytes=2**20,
                           eval_loss=4.5 - i / 10 if i % 2 == 0 else None, eval_s=0.05 if i % 2 == 0 else None)
