@@ -2,7 +2,7 @@
 loss under every plan kind is one process's, evaluating leaves the training as it was, and the loss shows in the
 step table, ``FitResult`` and the plot.
 
-    timeout 1800 .venv/bin/python -m pytest -q tests/test_evaluation.py          # ~4 min on 2 cores
+    timeout 1800 .venv/bin/python -m pytest -q tests/test_evaluation.py          # ~1 min on 2 cores
 
 The reference is written out here, as ``nbtrain verify`` makes it: the same initial weights and batches trained in
 one process with torch's AdamW, and after each step that evaluates, the model in eval mode and the loss summed over
