@@ -134,3 +134,16 @@ def test_merging_into_a_base_on_the_meta_device_is_refused_before_launch():
     with pytest.raises(InvalidArgumentError, match="save_merged merges the adapters into the base weights in the "
                                                    "notebook, where this model's base is on the meta device"):
         nbtrain.fit(model, _batches(1), plan="dp_shard=2", steps=1, num_processes=2, save_merged="merged/")
+
+
+def test_under_bf16_frozen_weights_are_held_in_bf16_without_an_fp32_copy():
+    # torchtune runs LoRA so: nothing updates a frozen weight, so it needs no fp32 master; held in bf16 it takes 2
+    # bytes, not 4, and autocast makes no bf16 copy of it for the matmuls either
+    import nbtrain
+
+    frozen = sum(p.numel() for p in zoo.lora_llama().parameters() if not p.requires_grad)
+    runs = {precision: nbtrain.fit(zoo.lora_llama(), _batches(), plan="dp_replicate=2", steps=3, num_processes=2,
+                                   progress=False, precision=precision) for precision in ("fp32", "bf16")}
+    fp32, bf16 = (runs[p].records[-1].tensor_bytes for p in ("fp32", "bf16"))
+    assert bf16 <= fp32 - 2 * frozen, (fp32, bf16, frozen)
+    assert runs["bf16"].losses == pytest.approx(runs["fp32"].losses, rel=1e-2)  # bf16's tolerance

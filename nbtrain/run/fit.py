@@ -322,4 +322,5 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     latest = folder.latest() if folder is not None else None
     return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
                      0 if start is None else start.step, None if latest is None else str(latest.path),
-                     rank_memory=peaks, save_pretrained=hf_folder or adapters_to)
+                     rank_memory=peaks, save_pretrained=hf_folder or adapters_to, adapters=adapters_to is not None,
+                     save_merged=merged_to)

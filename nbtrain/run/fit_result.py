@@ -39,7 +39,12 @@ class FitResult:
     checkpoint: str | None = None
     """The last complete checkpoint in ``checkpoint_dir`` after the run, when checkpoints were asked for."""
     save_pretrained: str | None = None
-    """The Hugging Face folder the trained model was written to (``from_pretrained`` loads it), when asked for."""
+    """The Hugging Face folder the trained model was written to (``from_pretrained`` loads it), or a peft model's
+    adapter folder (``PeftModel.from_pretrained`` loads it), when asked for."""
+    adapters: bool = False
+    """Whether :attr:`save_pretrained` holds a peft model's adapters (not a whole model)."""
+    save_merged: str | None = None
+    """The Hugging Face folder of the base model with the adapters merged in, when asked for."""
     rank_memory: list | None = None
     """Each rank's ``(before, during)`` peak memory: once its part of the model was allocated and filled, before the
     first step, and during training (the allocator's peak on a GPU, the process's peak resident memory on the CPU)."""
@@ -120,9 +125,15 @@ class FitResult:
                             f"(median; not in the step times); last: {self.checkpoint}")
         elif self.checkpoint:
             t.footer.append(f"last checkpoint: {self.checkpoint}")
-        if self.save_pretrained:
+        if self.save_pretrained and self.adapters:
+            t.footer.append(f"LoRA adapters written as peft's folder in {self.save_pretrained}; "
+                            "PeftModel.from_pretrained(base, folder) loads them onto the base model")
+        elif self.save_pretrained:
             where = "" if self.state_dict else " (not gathered into the notebook: the model was built on meta)"
             t.footer.append(f"trained model written as a Hugging Face folder in {self.save_pretrained}{where}; "
+                            "AutoModel...from_pretrained(folder) loads it")
+        if self.save_merged:
+            t.footer.append(f"the base with the adapters merged into its weights written in {self.save_merged}; "
                             "AutoModel...from_pretrained(folder) loads it")
         if self.save_dir:
             t.footer.append(f"trained weights saved (sharded, torch.distributed.checkpoint) in {self.save_dir}; "

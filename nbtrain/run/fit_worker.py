@@ -84,7 +84,7 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     from nbtrain.run.parallel.vocab_parallel import takes_vocab_parallel_loss
     from nbtrain.run.placement import peak_memory
     from nbtrain.run.state.hf_folder import save_hf_folder
-    from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, meta_twin
+    from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, hold_frozen_in, meta_twin
     from nbtrain.run.state.pretrained import load_weights
     from nbtrain.run.trainer import Trainer
     from nbtrain.run.state.training_state import TrainingState
@@ -95,6 +95,8 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     # model (read, never copied whole), or by the model's own initialisation when it was built on meta
     values = Initialize(run.seed, run.init_fn) if has_meta(model) else FromModel(model)
     model = meta_twin(model)  # in this process too: the caller's model stays as it was
+    if run.precision == "bf16":  # frozen weights in bf16, no fp32 master (a LoRA base: half its bytes)
+        hold_frozen_in(model, torch.bfloat16)
     set_training(model)  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)

@@ -53,6 +53,19 @@ def meta_twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Make the frozen floating-point parameters of ``model`` (a meta twin, before it is parallelized and filled)
+    ``dtype``: a frozen weight needs no fp32 master copy (nothing updates it), so under bf16 compute it is held in
+    bf16, as torchtune runs LoRA, half the bytes of its fp32 copy; its values are cast as they are filled. Returns
+    their names."""
+    changed = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            changed.append(name)
+    return changed
+
+
 @dataclass(frozen=True)
 class FromModel:
     """Values from the tensors of ``model`` (the notebook's), read by each tensor's canonical name."""
