@@ -333,6 +333,8 @@ SECTION_FIXTURES = {
     "docs/running.md#Run a plan": BATCHES + TINY_LLAMA + '''
 import torch.distributed as dist
 
+held_out = batches[-1:]                  # "held-out batches", as the training batches are held
+
 
 def fn(a, b):                            # "any function on N ranks"
     return a + b + dist.get_rank()
