@@ -104,15 +104,15 @@ TB = 1e12
 #   compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table" (mamf-finder.py, found with
 #   search): A100 SXM 271.2 of 312 TFLOP/s (torch 2.6; 267.9 in an earlier edition), H100 SXM 794.5 of 989 (torch
 #   2.7); H200 keeps 0.8, REFERENCE.md's ~790 of 990 measured on one. No figure for the others: they keep 0.8
-#   (V100, RTX 4090) and 0.7 (L4, power-capped).
+#   (V100, RTX 4090, RTX A6000) and 0.7 (L4, power-capped).
 # - Attention (attention_efficiency, of peak, on causal FLOPs): FlashAttention-2 (Dao 2023, abstract) reaches
 #   50-73% of peak on A100, forward; backward is slower (its §4), so the low end, 0.5. FlashAttention-3 (Shah et
 #   al. 2024, abstract): "FlashAttention-2 achieving only 35% utilization on the H100 GPU": 0.35 on Hopper, which is
 #   what PyTorch's SDPA flash backend (FA2) runs. Unknown elsewhere: the matmul rate.
 # - Memory-bound ops (memory_bandwidth × memory_efficiency): datasheets' HBM bandwidth (A100-80GB 2.04 TB/s,
-#   A100-40GB 1.555, H100 SXM 3.35, H200 4.8, V100 0.9, L4 0.3, RTX 4090 1.008); a streaming kernel reaches ~0.9
-#   of it (H100 80GB HBM3: 3.02-3.09 TB/s D2D copy and STREAM triad, a published benchmark log found with
-#   search; BabelStream's A100 figures, ~1.8 of 2.04 TB/s, remembered).
+#   A100-40GB 1.555, H100 SXM 3.35, H200 4.8, V100 0.9, L4 0.3, RTX 4090 1.008, RTX A6000 0.768); a streaming
+#   kernel reaches ~0.9 of it (H100 80GB HBM3: 3.02-3.09 TB/s D2D copy and STREAM triad, a published benchmark
+#   log found with search; BabelStream's A100 figures, ~1.8 of 2.04 TB/s, remembered).
 # - Launch floor (kernel_latency_s): eager PyTorch spends ~5-25 us of CPU per op before its kernel runs (dispatch
 #   ~1-2 us, autograd ~1-3 us, cudaLaunchKernel ~1-3 us: jiahuanglin.xyz "From PyTorch op to kernel launch"); a
 #   kernel cannot take less than the low end, 5 us, when the CPU feeds the GPU one op at a time.
@@ -168,6 +168,15 @@ CATALOG: dict[str, DeviceSpec] = {
     "RTX4090": DeviceSpec(24 * GiB, 165.2 * TFLOPS, PCIE_GEN4, 100e9 / 8 / 8, 128 * GiB, PCIE_GEN4,
                           ADAMW_PER_SOCKET, memory_bandwidth=1.008 * TB, **_KERNEL_FLOORS,
                           intra_link="PCIe Gen4", inter_link="Ethernet"),
+    # RTX A6000 (Ampere GA102, a workstation card): NVIDIA's spec table (as servethehome.com reproduced it): "48 GB
+    # GDDR6 with ECC", 768 GB/s, 336 third-generation Tensor Cores, PCIe 4.0 x16, 300 W, an NVLink bridge for two
+    # cards only (112.5 GB/s both ways); "Tensor performance 309.7 TFLOPS" is with sparsity: 154.8 dense bf16/fp16
+    # (336 Tensor Cores x 256 FLOPs a clock x 1.8 GHz boost; the professional card accumulates in fp32 at full
+    # rate). nvidia-smi reports 49140 MiB with ECC off (public logs of the card). More than two cards talk over
+    # PCIe. Host and network as for L4.
+    "A6000": DeviceSpec(49140 * MiB, 154.8 * TFLOPS, PCIE_GEN4, 100e9 / 8 / 8, 128 * GiB, PCIE_GEN4,
+                        ADAMW_PER_SOCKET, memory_bandwidth=0.768 * TB, **_KERNEL_FLOORS,
+                        intra_link="PCIe Gen4", inter_link="Ethernet"),
     # The host itself, one "device" per core (one worker process, one thread each). No datasheet: conservative
     # guesses that Cluster.detect() replaces with measurements — one core's fp32 matmul (~50 GFLOP/s for AVX2;
     # 120+ measured with AVX-512), gloo all-reduce over loopback (~0.7 GB/s measured on 2 cores), one-thread
@@ -184,7 +193,8 @@ _ALIASES = {  # normalised (lower-case letters and digits only) → catalog name
     "h100": "H100", "h10080gb": "H100", "h100sxm": "H100", "h100sxm5": "H100",
     "h10096gb500w": "H100-96GB-500W", "h10096gb": "H100-96GB-500W", "h100hbm2e": "H100-96GB-500W",
     "h200": "H200", "h200141gb": "H200", "h200sxm": "H200", "l4": "L4",
-    "rtx4090": "RTX4090", "4090": "RTX4090", "geforcertx4090": "RTX4090", "cpu": "cpu", "host": "cpu",
+    "rtx4090": "RTX4090", "4090": "RTX4090", "geforcertx4090": "RTX4090", "a6000": "A6000", "rtxa6000": "A6000",
+    "cpu": "cpu", "host": "cpu",
 }
 
 
@@ -200,7 +210,7 @@ def match_gpu(runtime_name: str, memory: int, capability: tuple[int, int]) -> tu
     """The catalog entry closest to a CUDA device, and whether its name matched ("NVIDIA H100 80GB HBM3")."""
     name = runtime_name.lower()
     for key, entry in (("h200", "H200"), ("h100", "H100"), ("v100", "V100"), ("4090", "RTX4090"),
-                       ("a100", "A100-80GB" if memory > 60 * GiB else "A100-40GB")):
+                       ("a6000", "A6000"), ("a100", "A100-80GB" if memory > 60 * GiB else "A100-40GB")):
         if key in name:
             return entry, True
     if re.search(r"\bl4\b", name):  # not "L40S"
