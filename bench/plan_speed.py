@@ -14,8 +14,8 @@ it twice and look at both. What is measured:
    pause for typing (0.6 s) is left out (``debounce_s=0``).
 2. **``nbtrain plan`` on the command line**, wall time and peak memory of the whole process, profile included:
    GPT-2 on 4 × H100 at 3 GiB, LLaMA-70B on 64 H100s (8 a node, 80 GiB, batch 512 × 4096) and on 1,024
-   (batch 2048 × 4096). "first" runs with an empty ``NBTRAIN_CACHE_DIR``, "again" right after it (a preset's
-   profile is kept from the first since issue 46).
+   (batch 2048 × 4096). "first" runs with an empty ``NBTRAIN_CACHE_DIR`` (each case its own), "again" right
+   after it (a preset's profile is kept from the first since issue 46).
 3. **``nbtrain.plan`` in the process**, the profile taken beforehand and not counted: Mixtral-8x7B's shape with
    expert parallelism on 64 H100s (batch 128 × 4096), LLaMA-7B on 8 H100s at 16/24/36/48 GiB (batch 64 × 2048) and
    LLaMA-70B on 64 (batch 64 × 2048), the cases this benchmark had before.
@@ -100,10 +100,10 @@ PEAK = ("import atexit, resource, runpy, sys; out = sys.argv.pop(1); "
 
 def _commands(root: Path) -> list[dict]:
     rows = []
-    with tempfile.TemporaryDirectory(prefix="nbtrain-bench-cache-") as cache:
-        env = {**os.environ, "PYTHONPATH": str(root), "NBTRAIN_CACHE_DIR": cache, "NBTRAIN_NONINTERACTIVE": "1"}
-        peak = Path(cache) / "peak"
-        for label, args in COMMANDS:
+    for label, args in COMMANDS:
+        with tempfile.TemporaryDirectory(prefix="nbtrain-bench-cache-") as cache:  # each case's first profiles
+            env = {**os.environ, "PYTHONPATH": str(root), "NBTRAIN_CACHE_DIR": cache, "NBTRAIN_NONINTERACTIVE": "1"}
+            peak = Path(cache) / "peak"
             for when in ("first", "again"):
                 started = time.perf_counter()
                 done = subprocess.run([sys.executable, "-c", PEAK, str(peak), "plan", *args], cwd=root, env=env,
