@@ -33,6 +33,7 @@ _PUBLIC = {
     "launch": "nbtrain.run.launch.workers",
     "fit": "nbtrain.run.fit",
     "verify": "nbtrain.run.verify",
+    "Session": "nbtrain.run.session.session",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -439,6 +439,12 @@ prof = nbtrain.profile(nbtrain.GPT(nbtrain.GPTConfig(vocab_size=2048, block_size
 cluster = nbtrain.Cluster.from_catalog("cpu", num_devices=2)
 ''',
     "nbtrain.run.switching.planned": LENGTH_MIX,
+    "nbtrain.run.session.session": BATCHES + '''
+from tests.any_models import llama
+model = llama()                          # a transformers Llama of its default config, small
+batches = [(ids % 128, targets % 128) for ids, targets in batches]
+held_out = batches[-1:]
+''',
     "nbtrain.run.switching.training": LENGTH_MIX + 'from nbtrain.run.launch.workers import launch\n',
     "nbtrain.run.fit_documents": LENGTH_MIX,
     "nbtrain.run.switching.planned.longest_bucket_needs": LENGTH_MIX,

@@ -84,7 +84,7 @@ def plan_for(model: nn.Module, plan: Plan | str, num_processes: int | None, *, g
     return plan
 
 
-def _check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
+def check_adamw(betas, eps, weight_decay, decay_norms_and_biases) -> tuple:
     try:
         b1, b2 = (float(b) for b in betas)
     except (TypeError, ValueError):
@@ -197,7 +197,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
 
     positive_int(steps, f"steps must be a positive integer, got {steps!r}")
     check_on_nonfinite(on_nonfinite)  # before profiling or launching anything
-    adamw = _check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
+    adamw = check_adamw(betas, eps, weight_decay, decay_norms_and_biases)
     eval_every = check_eval_every(eval_every, eval_data)
     if is_documents(data):
         if eval_data is not None:

@@ -75,20 +75,38 @@ class RunSettings:
     """The held-out batches to evaluate on, and when (``fit(..., eval_data=, eval_every=)``), or None."""
 
 
-def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
-    """Runs in every process: parallelize, train, then gather the weights to rank 0 or save them sharded."""
+@dataclass
+class Prepared:
+    """One worker's part of a run, ready to train: the model parallelized and filled, its optimizer and trainer."""
+
+    model: nn.Module
+    plan: Plan
+    meshes: object
+    """The plan's :class:`~nbtrain.run.parallel.mesh.PlanMeshes`."""
+    mine: tuple[str, ...]
+    """Name prefixes of the layers this rank's stage trains."""
+    values: object
+    """Where the weights came from: :class:`~nbtrain.run.state.materialize.FromModel` or ``Initialize``."""
+    optimizer: object
+    trainer: object
+    materialized: int
+    """This rank's peak memory once its part of the model was in place, before the first step."""
+
+
+def prepare(model, plan: Plan, run: RunSettings, example_inputs=None) -> Prepared:
+    """In every worker: a twin of ``model`` parallelized under ``plan`` and filled (from the notebook's model, its own
+    initialisation, or ``run.weights``), with its optimizer and trainer. ``example_inputs``: a global batch's inputs,
+    which a traced pipeline's stages are traced on."""
     import torch.distributed as dist
 
     from nbtrain.run.parallel.mesh import PlanMeshes
     from nbtrain.run.parallel.parallelize import parallelize
     from nbtrain.run.parallel.vocab_parallel import takes_vocab_parallel_loss
     from nbtrain.run.placement import peak_memory
-    from nbtrain.run.state.hf_folder import save_hf_folder
     from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, hold_frozen_in, meta_twin
     from nbtrain.run.state.pretrained import load_weights
+    from nbtrain.run.state.weights import trained_prefixes
     from nbtrain.run.trainer import Trainer
-    from nbtrain.run.state.training_state import TrainingState
-    from nbtrain.run.state.weights import gather_trained, save_trained, trained_prefixes
 
     torch.manual_seed(run.seed)
     # the plan is applied to a twin on the meta device, and each rank fills only what it holds: from the notebook's
@@ -100,13 +118,13 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     set_training(model)  # as every trainer does: a model from from_pretrained() comes in eval mode, its dropout off
     meshes = PlanMeshes(plan)
     mine = trained_prefixes(model, plan, meshes.stage)
-    example = example_microbatch(get_batch(0)[0], plan, meshes.dp_rank(0)) if plan.pp > 1 else None
+    example = example_microbatch(example_inputs, plan, meshes.dp_rank(0)) \
+        if plan.pp > 1 and example_inputs is not None else None
     model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example, values=values,
                         split_logits=takes_vocab_parallel_loss(plan, run.loss_fn))
     if run.weights is not None:  # each rank reads the part it holds
         load_weights(model, run.weights, mine)
     materialized = peak_memory(meshes.device)
-    threads_before = torch.get_num_threads()
     if any(s.offload > 0 for s in plan.layers):  # CoTrain: per-layer CPU updates overlap backward
         from nbtrain.run.offload.optimizer import OffloadedAdamW
         from nbtrain.run.offload.threads import thread_shares, usable_cores
@@ -114,7 +132,7 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if not run.forked else 1))
         device_threads, update_threads = thread_shares(usable_cores(), local, meshes.device.type == "cuda",
                                                        run.forked)
-        torch.set_num_threads(device_threads)  # the caller's count is put back after the run
+        torch.set_num_threads(device_threads)  # the caller puts its count back after the run
 
         betas, eps, decay, _ = run.adamw
         traced = plan.pp > 1 and "_nbtrain_traced" in model.__dict__  # its stage runs a graph's modules, not these
@@ -135,15 +153,27 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
                                       fused=True)
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
                       lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
-    rank0 = dist.get_rank() == 0
+    return Prepared(model, plan, meshes, mine, values, optimizer, trainer, materialized)
+
+
+def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
+    """Runs in every process: parallelize, train, then gather the weights to rank 0 or save them sharded."""
+    import torch.distributed as dist
+
+    from nbtrain.run.state.hf_folder import save_hf_folder
+    from nbtrain.run.state.training_state import TrainingState
+    from nbtrain.run.state.weights import save_trained
+
+    threads_before = torch.get_num_threads()
     try:
-        records = train_steps(trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
+        ready = prepare(model, plan, run, get_batch(0)[0])
+        model, optimizer, mine = ready.model, ready.optimizer, ready.mine
+        rank0 = dist.get_rank() == 0
+        records = train_steps(ready.trainer, TrainingState(model, optimizer, mine), plan, get_batch, run, rank0)
     finally:
         torch.set_num_threads(threads_before)
     resumed = run.resume_from.step if run.resume_from is not None else 0  # earlier steps: another run measured them
-    peaks = [None] * dist.get_world_size()  # every rank's memory, as the step table shows it
-    dist.all_gather_object(peaks, (materialized, max([r.peak_memory_bytes for r in records if r.step > resumed],
-                                                     default=materialized)))
+    peaks = rank_peaks(ready, records, resumed)
     if hasattr(optimizer, "close"):
         optimizer.close()  # lands the last step's CPU updates, which completes its trace
     trace = getattr(optimizer, "last_trace", None)
@@ -153,8 +183,8 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
         save_trained(model, mine, run.save_dir)
     if run.save_dir is not None or not run.gather:
         result = (records, None, trace, peaks) if rank0 else None
-    else:  # a notebook model on meta also needs the tables its modules compute (non-persistent buffers)
-        state = gather_trained(model, plan, mine, buffers=isinstance(values, Initialize))
+    else:
+        state = gathered(ready)
         result = (records, state, trace, peaks) if rank0 else None
     if run.every_rank and dist.get_world_size() > 1:
         sent = [result]
@@ -163,10 +193,31 @@ def fit_worker(model, plan: Plan, get_batch, run: RunSettings):
     return result
 
 
-def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: bool) -> list[StepRecord]:
+def rank_peaks(ready: Prepared, records: list[StepRecord], resumed: int = 0) -> list:
+    """Every rank's ``(before, during)`` peak memory, as the step table shows it (collective)."""
+    import torch.distributed as dist
+
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (ready.materialized, max([r.peak_memory_bytes for r in records if r.step > resumed],
+                                                           default=ready.materialized)))
+    return peaks
+
+
+def gathered(ready: Prepared) -> dict | None:
+    """The trained weights on rank 0 (None elsewhere; collective): a notebook model on meta also needs the tables its
+    modules compute (non-persistent buffers)."""
+    from nbtrain.run.state.materialize import Initialize
+    from nbtrain.run.state.weights import gather_trained
+
+    return gather_trained(ready.model, ready.plan, ready.mine, buffers=isinstance(ready.values, Initialize))
+
+
+def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: bool,
+                stop: Callable[[], bool] | None = None) -> list[StepRecord]:
     """The step loop, from a checkpoint when resuming, evaluating on ``run.evaluation`` when it is due, saving one
     every ``checkpoint_every`` steps and at the end; returns every step's record (a resumed run's earlier ones
-    first)."""
+    first). ``stop``: asked after each step on every rank (a session's interrupted cell); the loop ends after the
+    first step at which any rank was told to stop, all ranks at the same step."""
     import torch.distributed as dist
 
     from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
@@ -196,6 +247,11 @@ def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: 
             folder.save(state, Progress(done, trainer.schedule_epoch, records=records, plan=str(plan),
                                         num_processes=dist.get_world_size(), **Progress.random_states()))
             records[-1] = dataclasses.replace(record, checkpoint_s=time.perf_counter() - started)
+        if stop is not None and done < run.steps:  # all ranks stop at the same step, or none does
+            asked = torch.tensor([int(stop())], device=trainer.device)
+            dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+            if asked.item():
+                break
     if bar is not None:
         bar.close()
     return records
