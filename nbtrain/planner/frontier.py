@@ -63,8 +63,8 @@ class Frontier:
             if self.previous is not None:
                 t = t + relayout[self.layout][:, layout]
             ranks = np.unique(np.concatenate([self.transient, transient]))  # the transients, by rank
-            peak_rank = np.maximum(np.searchsorted(ranks, self.transient)[:, None],
-                                   np.searchsorted(ranks, transient)[None, :])
+            peak_rank = np.maximum(np.searchsorted(ranks, self.transient).astype(np.int32)[:, None],
+                                   np.searchsorted(ranks, transient).astype(np.int32)[None, :])
             keep = _merged(mem, t, layout, peak_rank, ok, len(ranks), grid, budget)
             parent, column = np.divmod(keep, s)
             return Frontier(mem.ravel()[keep], peak.ravel()[keep], t.ravel()[keep], layout[column], ids[column],
@@ -113,12 +113,19 @@ def _merged(mem, t, layout, peak_rank, ok, peaks: int, grid: float, budget: floa
     """
     cells = int(np.floor(budget / grid)) + 1  # a plan within the budget is in a cell below this
     shape = (int(layout.max()) + 1, peaks, cells)
-    key = (layout.astype(np.int64)[None, :] * peaks + peak_rank) * cells + \
-        np.minimum(np.floor(mem / grid), cells - 1).astype(np.int64)
-    key = np.where(ok, key, np.prod(shape)).ravel()  # over the budget: one cell past the others, dropped
-    order = _stable_order(key)
-    order = order[:np.searchsorted(key[order], np.prod(shape))]  # those within the budget, by cell
-    sorted_key, sorted_t = key[order], t.ravel()[order]
+    past = int(np.prod(shape))  # the key of the plans over the budget: one cell past the others, dropped
+    cell = mem / grid
+    np.floor(cell, out=cell)
+    np.minimum(cell, cells - 1, out=cell)
+    key = ((layout.astype(np.int32) * peaks)[None, :] + peak_rank) * cells  # int32: a (layout, transient) row
+    key += cell.astype(np.int32)
+    key[~ok] = past
+    key = key.ravel()
+    order = _stable_order(key, past)
+    sorted_key = key[order]
+    within = np.searchsorted(sorted_key, past)  # those within the budget, by cell
+    order, sorted_key = order[:within], sorted_key[:within]
+    sorted_t = t.ravel()[order]
     starts = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
     fastest = np.minimum.reduceat(sorted_t, starts)
     sizes = np.diff(np.r_[starts, len(order)])
@@ -148,9 +155,10 @@ def _merged(mem, t, layout, peak_rank, ok, peaks: int, grid: float, budget: floa
     return winners[~dominated]
 
 
-def _stable_order(key: np.ndarray) -> np.ndarray:
-    """``np.argsort(key, kind="stable")`` for keys below 2³², by radix sorts of 16 bits (linear time)."""
-    if key.max() < 2**16:
+def _stable_order(key: np.ndarray, largest: int) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` for keys from 0 to ``largest`` < 2³², by radix sorts of 16 bits (numpy's
+    stable sort of 16-bit integers: linear time)."""
+    if largest < 2**16:
         return np.argsort(key.astype(np.uint16), kind="stable")
     low = np.argsort((key & 0xFFFF).astype(np.uint16), kind="stable")
     return low[np.argsort((key[low] >> 16).astype(np.uint16), kind="stable")]
