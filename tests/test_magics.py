@@ -251,3 +251,26 @@ def test_launch_resume_goes_on_from_the_checkpoint_under_another_process_count(s
     assert resumed.resumed_at == 2 and [r.step for r in resumed.records] == [1, 2, 3, 4]
     assert resumed.losses[:2] == first.losses and resumed.losses[-1] < resumed.losses[0]
     assert resumed.checkpoint.endswith("step-00000004")
+
+
+@pytest.mark.slow
+def test_keep_leaves_a_session_that_the_line_form_trains_on_and_a_second_keep_asks_to_close_it(shell, capsys):
+    from nbtrain.run.session.session import Session
+
+    result = run(shell, "--launch --processes 2 --steps 3 --keep s --no-calibrate -q")
+    assert result.success
+    session = shell.user_ns["s"]
+    try:
+        assert isinstance(session, Session) and session.alive and session.steps_done == 3
+        before = {k: v.clone() for k, v in shell.user_ns["model"].state_dict().items()}
+        assert shell.run_cell("%autoparallel s --steps 2 --lr 1e-4").success
+        assert session.steps_done == 5 and session.lr == 1e-4
+        out = capsys.readouterr().out
+        assert f"session (open): {session.plan} on 2 processes, 5 steps" in out and "%autoparallel s --steps N" in out
+        # the weights stay in the session until asked for
+        assert all(torch.equal(v, before[k]) for k, v in shell.user_ns["model"].state_dict().items())
+        again = run(shell, "--launch --processes 2 --steps 1 --keep s --no-calibrate -q")
+        assert not again.success and "s holds an open session" in str(again.error_in_exec)
+        assert not shell.run_cell("%autoparallel model --steps 1").success  # not a session: one line says so
+    finally:
+        session.close()

@@ -320,16 +320,10 @@ def vocab_size(model: nn.Module) -> int:
     return vocab
 
 
-def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
-               lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
-               checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
-               tp_plan: dict | None = None, weights=None, save_pretrained=None, calibrate: bool = True,
-               eval_data=None, eval_every: int | None = None):
-    """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
-    are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
-    ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``weights``, ``save_pretrained``, ``eval_data`` and
-    ``eval_every`` are :func:`nbtrain.fit`'s."""
-
+def local_run(model: nn.Module, plan, *, processes: int, steps: int, data=None, loss_fn=None, seed: int = 0,
+              seq: int | None = None):
+    """``plan`` as it runs here on ``processes`` processes, and the batches it trains on: ``data``'s rows set its
+    global batch; without data, standard-library text for ``steps`` steps at the plan's batch (scaled here)."""
     layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
         first = data(0) if callable(data) else next(iter(data), None)
@@ -342,17 +336,29 @@ def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, d
                              lm_targets=loss_fn is None)
         rows, length = batch_shape(ids)
         try:
-            local = scale_plan(plan, processes, global_batch=rows, seq_len=length)
+            return scale_plan(plan, processes, global_batch=rows, seq_len=length), data
         except InvalidPlanError as error:  # the data's rows are the global batch: say so
             raise InvalidPlanError(f"--data: batches of {rows} rows do not split under the plan scaled to "
                                    f"{processes} processes: {error}") from None
-    else:
-        seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
-        # a plan made for these processes runs as planned (its batch, and its length where short enough for a CPU
-        # step), so the launch predicts what the plan table did; a bigger cluster's plan runs scaled down, small
-        same = plan.num_devices == processes and plan.global_batch
-        local = plan.replace(seq_len=seq) if same else scale_plan(plan, processes, seq_len=seq)
-        data = stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
+    seq = seq or min(plan.seq_len or LOCAL_SEQ, LOCAL_SEQ)
+    # a plan made for these processes runs as planned (its batch, and its length where short enough for a CPU
+    # step), so the launch predicts what the plan table did; a bigger cluster's plan runs scaled down, small
+    same = plan.num_devices == processes and plan.global_batch
+    local = plan.replace(seq_len=seq) if same else scale_plan(plan, processes, seq_len=seq)
+    return local, stdlib_batches(local.global_batch, seq, count=steps, seed=seed, vocab_size=vocab_size(model))
+
+
+def train_here(model: nn.Module, plan, *, processes: int = 2, steps: int = 10, data=None, loss_fn=None,
+               lr: float = 3e-4, seed: int = 0, seq: int | None = None, timeout: float | None = None,
+               checkpoint_dir=None, checkpoint_every: int | None = None, resume: bool = False,
+               tp_plan: dict | None = None, weights=None, save_pretrained=None, calibrate: bool = True,
+               eval_data=None, eval_every: int | None = None):
+    """Train ``model`` under ``plan`` scaled to ``processes`` CPU processes (or GPUs) here; the trained weights
+    are loaded back into ``model``. Returns the :class:`FitResult` (losses, measured beside predicted).
+    ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``weights``, ``save_pretrained``, ``eval_data`` and
+    ``eval_every`` are :func:`nbtrain.fit`'s."""
+    local, data = local_run(model, plan, processes=processes, steps=steps, data=data, loss_fn=loss_fn, seed=seed,
+                            seq=seq)
     # this machine's cluster, for the prediction beside the measurement, as the plan table priced it (calibrated
     # once per kernel); its GPUs named through NVML: CUDA initialised here would keep the launch from forking
     from nbtrain.run.launch.environment import check_limit, visible_gpus

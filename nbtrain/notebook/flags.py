@@ -69,7 +69,7 @@ def _memory(text: str | None) -> int | None:
 
 
 _LAUNCH_ONLY = ("timeout", "checkpoint_dir", "checkpoint_every", "resume", "weights", "save_pretrained", "eval_data",
-                "eval_every")
+                "eval_every", "keep")
 _TRAINING = ("processes", "steps", "lr", "seed", "data")
 
 
@@ -83,6 +83,8 @@ def _check_needs_launch(args) -> None:
         name = "--" + flag.replace("_", "-")
         if flag in ("checkpoint_dir", "checkpoint_every", "resume"):
             raise UsageError(f"{name} saves or resumes a training run: add --launch")
+        if flag == "keep":
+            raise UsageError(f"--keep {value} leaves a training session in {value}: add --launch")
         if flag in ("weights", "save_pretrained"):
             what = "is where a training run starts" if flag == "weights" else "is where a training run writes its model"
             raise UsageError(f"{name} {value} {what}: add --launch")

@@ -5,7 +5,8 @@
     %%autoparallel --gpus 64 --gpu H100 --batch 256 --seq 1024 -o best --launch --processes 2 --steps 10
     model = nbtrain.GPT(nbtrain.GPTConfig(n_layer=12, n_head=12, n_embd=768))
 
-``%autoparallel --model NAME ...`` (the line form) plans a model built in an earlier cell, with no code to run.
+``%autoparallel --model NAME ...`` (the line form) plans a model built in an earlier cell, with no code to run;
+``%autoparallel NAME --steps N`` trains on a session kept by ``--launch --keep NAME`` (:mod:`nbtrain.notebook.session_cell`).
 ``%%autoparallel?`` prints every flag. A flag's value may be a ``$variable`` (IPython expands it). Mistakes
 (no model, two models, a bad flag, nothing fits, a batch of the wrong shape, a worker that raises: its traceback
 above the line) end the cell with one ``UsageError`` line; the kernel and everything in the notebook stay as they
@@ -96,6 +97,9 @@ class AutoparallelMagics(Magics):
                                                "only what it holds (a model built on the meta device too)")
     @argument("--save-pretrained", metavar="DIR", help="with --launch, write the trained model into DIR as a "
                                                       "Hugging Face folder (from_pretrained loads it)")
+    @argument("--keep", metavar="NAME", help="with --launch, leave a session in NAME: its workers keep the model "
+                                            "and optimizer state, and %%autoparallel NAME --steps N trains on "
+                                            "(nbtrain.Session)")
     @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
                                                "data, launch, checks), for papermill or a tutorial")
     @line_cell_magic
@@ -110,8 +114,17 @@ class AutoparallelMagics(Magics):
         plan (scaled to ``--processes`` processes when it was made for a described cluster), with the measured step time and memory beside the predicted ones, and loads
         the trained weights back into the notebook's model.
         """
-        args = _unquoted(parse_argstring(self.autoparallel, line))
+        first, _, rest = line.strip().partition(" ")
+        session = first if first.isidentifier() else None  # %autoparallel NAME --steps N: a kept session trains on
+        args = _unquoted(parse_argstring(self.autoparallel, rest if session else line))
         try:
+            if session is not None:
+                from nbtrain.notebook.session_cell import train_on
+
+                if cell is not None and cell.strip():
+                    raise UsageError(f"%%autoparallel {session}: a session trains on in the line form, "
+                                     f"%autoparallel {session} --steps N, without a cell body")
+                return train_on(self.shell.user_ns, session, args, self._lookup)
             return self._run(args, cell)
         except WorkerError as error:  # the failing rank's traceback as output, then the one line
             if error.worker_traceback:
@@ -190,6 +203,14 @@ class AutoparallelMagics(Magics):
                                lr=args.lr, seed=args.seed, namespace=namespace, data=data, data_name=args.data,
                                loss_name=args.loss)
             print(f"exported to {path}: {papermill_command(path, steps=args.steps)}")
+        if args.launch and args.keep:
+            from nbtrain.notebook.session_cell import keep_session
+
+            print(f"\nkeeping {name} in a session here: {args.processes} processes, {args.steps} steps")
+            keep_session(namespace, args.keep, model, plan, processes=args.processes, steps=args.steps, data=data,
+                         loss_fn=loss_fn, lr=args.lr, seed=args.seed, tp_plan=tp_plan, weights=args.weights,
+                         eval_data=eval_data, eval_every=args.eval_every)
+            return None
         if args.launch:
             scaled = f", the plan scaled to {args.processes} devices" if plan.num_devices != args.processes else ""
             print(f"\ntraining {name} here: {args.processes} processes, {args.steps} steps{scaled}")

@@ -52,18 +52,28 @@ class SessionError(NbtrainError):
     """A session call every worker refused (the session goes on), or a call on a closed session."""
 
 
+_OPEN: "weakref.WeakSet[Session]" = weakref.WeakSet()
+"""The sessions of this process: one at a time by default, as the cores are one machine's."""
+
+
 class Session:
     """Workers that keep ``model`` under ``plan`` between calls (module docstring). ``plan``: a :class:`Plan` or its
     compact form; ``num_processes``: the plan's devices by default. The rest is ``fit``'s: ``weights`` (a folder, or
     ``[base, adapters]``), ``tp_plan``, ``loss_fn``, ``precision``, ``seed``, ``lr``, ``lr_schedule``, ``clip_norm``,
-    ``betas``, ``eps``, ``weight_decay``, ``init_fn``; ``timeout`` bounds each call (seconds)."""
+    ``betas``, ``eps``, ``weight_decay``, ``init_fn``; ``timeout`` bounds each call (seconds). One session is open
+    at a time: a second is refused until the first is closed, unless ``alongside=True``."""
 
     def __init__(self, model: nn.Module, plan: Plan | str, *, num_processes: int | None = None, weights=None,
                  tp_plan: dict | None = None, loss_fn=lm_loss, precision: str = "fp32", seed: int = 0,
                  lr: float = 3e-4, lr_schedule=None, clip_norm: float | None = 1.0, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, init_fn=None, timeout: float | None = None):
+                 eps: float = 1e-8, weight_decay: float = 0.01, init_fn=None, timeout: float | None = None,
+                 alongside: bool = False):
         from nbtrain.run.session.setup import session_settings
 
+        other = next((s for s in list(_OPEN) if s.alive), None)
+        if other is not None and not alongside:
+            raise SessionError(f"a session is open already ({other.summary()}); close it first (its .close()), or "
+                               "start this one with Session(..., alongside=True): both then share this machine")
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"Session takes the model to train, an nn.Module, not a "
                                        f"{type(model).__name__}: nbtrain.Session(model, plan='dp_shard=2')")
@@ -78,6 +88,7 @@ class Session:
         for conn in self._channel.worker_ends:  # the workers' ends are theirs (the host holds them for them)
             conn.close()
         self._finalizer = weakref.finalize(self, _end, self._channel, self._host)
+        _OPEN.add(self)
         try:
             started = self._gather("start")
         except BaseException:
@@ -112,8 +123,7 @@ class Session:
         if answer["stopped"]:
             print(f"stopped after step {self.steps_done} (the session goes on: s.fit(...) trains on from there)",
                   file=sys.stderr)
-        return FitResult(self.plan, records, None, None, {}, None, None, self.steps_done - len(records),
-                         rank_memory=answer["peaks"])
+        return FitResult(self.plan, records, None, None, {}, None, None, rank_memory=answer["peaks"])
 
     def evaluate(self, data) -> float:
         """The mean loss of held-out batches under the session's plan, as ``fit``'s ``eval_data`` is evaluated."""
