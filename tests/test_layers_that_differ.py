@@ -110,3 +110,24 @@ def test_the_stage_check_passes_each_of_these_models_split_anywhere_and_leaves_i
             assert check_stages(model, d, plan, ids) is not None
         assert model.training and all(m.training for m in model.modules())
         assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_planner_prices_tensor_parallelism_only_on_the_blocks_jambas_plan_splits():
+    from nbtrain.planner.cost import UNRUNNABLE, CostModel
+    from nbtrain.planner.strategy import Strategy
+
+    profile = nbtrain.profile(zoo.jamba(), batch_size=1, seq_len=zoo.LONG)
+    assert profile.arch["tp_unsplit_layers"] == [1, 3]  # the Mamba layers; 2 and 4 are attention
+    cluster = nbtrain.Cluster.from_catalog("cpu", num_devices=2)
+    model = CostModel(profile, cluster, global_batch=4)
+    split = Strategy(tp=2)
+    assert model.layer(1, split, 1).memory.total >= UNRUNNABLE  # no budget holds it: the search never takes it
+    assert model.layer(2, split, 1).memory.total < 1e9
+    hybrid = nbtrain.plan(profile, cluster, global_batch=4, strategy="0-1: dp_shard=2; 2: tp=2; 3: dp_shard=2; "
+                                                                       "4: tp=2; 5: dp_shard=2")
+    assert hybrid.predicted.step_time_s > 0
+    with pytest.raises(InvalidPlanError, match=r"layer 1 \(model\.layers\.0\) of JambaForCausalLM: tp=2, but the "
+                                               r"model's tensor-parallel plan splits none of its modules"):
+        nbtrain.plan(profile, cluster, global_batch=4, strategy="tp=2")
+    megatron = next(b for b in nbtrain.baselines(profile, cluster, global_batch=4) if b.name.startswith("Megatron"))
+    assert megatron.plan is None and "splits none of layer 1's modules" in megatron.note

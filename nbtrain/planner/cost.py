@@ -89,6 +89,9 @@ from nbtrain.profiler.result import ModelProfile
 GiB = 2**30
 
 
+UNRUNNABLE = 1e30
+"""Bytes and seconds of a strategy the executor cannot run on a layer: more than any budget, finite for the tables."""
+
 def _ring(k: int, nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
     """One all-gather or reduce-scatter over a ring of ``k`` devices (Thakur et al. 2005), plus ``latency``."""
     return 0.0 if k <= 1 else latency + (k - 1) / k * nbytes / bandwidth
@@ -157,6 +160,11 @@ class CostModel(LayerTerms):
 
     # -- one layer -------------------------------------------------------------------------------------------
     def layer(self, index: int, s: Strategy, microbatches: int, pp: int = 1) -> LayerCost:
+        if s.tp > 1 and index in self.profile.arch.get("tp_unsplit_layers", ()):
+            # a block the model's tensor-parallel plan splits none of (Jamba's Mamba layers beside its split attention
+            # layers): the executor runs it with tp=1 only (plan_checks refuses a typed plan), so it fits no budget
+            # (finite: the search's tables multiply and subtract these, and inf · 0 would be NaN)
+            return LayerCost(Memory(params=UNRUNNABLE), UNRUNNABLE, UNRUNNABLE, Time(compute=UNRUNNABLE), 0.0)
         prof, c, e = self.profile.layers[index], self.cluster, self.e
         b = self.micro_batch(s, microbatches)
         whole, _ = self._whole(index, s, b)

@@ -72,6 +72,11 @@ def baselines(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq
         if strategy.tp > 1 and profile.arch.get("no_tensor_parallel"):
             out.append(Baseline(name, None, profile.arch["no_tensor_parallel"]))
             continue
+        unsplit = profile.arch.get("tp_unsplit_layers")
+        if strategy.tp > 1 and unsplit:
+            out.append(Baseline(name, None, f"the model's tensor-parallel plan splits none of layer {unsplit[0]}'s "
+                                            "modules (they run with tp=1; a plan may give tp to the others)"))
+            continue
         model = shared_cost_model(profile, cluster, global_batch=global_batch, seq_len=seq_len,
                                   budget_bytes=memory, options=options)
         variants = []

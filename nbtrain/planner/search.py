@@ -33,7 +33,7 @@ from dataclasses import replace
 import numpy as np
 
 from nbtrain.planner.anytime import Clock, Found
-from nbtrain.planner.cost import CostModel, CostOptions
+from nbtrain.planner.cost import UNRUNNABLE, CostModel, CostOptions
 from nbtrain.planner.cost_tables import shared_cost_model, twins
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.reach import cuts_stages, is_tied, keeps_tie_whole, tie_crosses_stages
@@ -157,12 +157,13 @@ def layer_kinds(profile: ModelProfile) -> list[int]:
 
 def one_expert_degree(profile: ModelProfile, layers: list) -> tuple:
     """``layers`` with the layers that hold no experts given the experts' ``ep`` (the most common one), where it
-    divides their dp, else 1: they run and cost the same under any ``ep``, so the search may return any, and one
+    divides their dp and they run no tensor parallelism, else 1: they run and cost the same under any ``ep``, so the search may return any, and one
     degree throughout reads as one strategy (``dp_shard=8 ep=8``)."""
     per_layer = profile.arch.get("layer_expert_params") or ()
     spread = [s.ep for i, s in enumerate(layers) if i < len(per_layer) and per_layer[i]]
     ep = max(sorted(set(spread)), key=spread.count) if spread else 1
-    return tuple(s if i < len(per_layer) and per_layer[i] else replace(s, ep=ep if s.dp % ep == 0 else 1)
+    return tuple(s if i < len(per_layer) and per_layer[i] else
+                 replace(s, ep=ep if s.dp % ep == 0 and s.tp == 1 else 1)  # ep runs beside dp only, not tp
                  for i, s in enumerate(layers))
 
 
@@ -222,7 +223,11 @@ def leanest(profile: ModelProfile, cluster: Cluster, *, global_batch: int, seq_l
                 else:
                     if stage_best is None or total < stage_best[0]:
                         stage_best = total, picks
+            if stage_best is None or stage_best[0] >= UNRUNNABLE:  # a layer the executor runs under none of
+                break  # the task's strategies (tp on a block its plan does not split)
             chosen += stage_best[1]
+        if len(chosen) != len(profile.layers):
+            continue
         plan = Plan(num_devices=cluster.num_devices, layers=one_expert_degree(profile, [task.space[j] for j in chosen]),
                     pp=task.pp, microbatches=task.microbatches, schedule=task.schedule, global_batch=global_batch,
                     seq_len=model.seq_len, model=profile.model)
