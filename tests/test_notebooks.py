@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"
 SMOKE = {"01_quickstart": {}, "02_hybrid_parallel": {}, "03_lab_parallelism": {"reference_answers": True},
-         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}, "06_your_own_model": {}, "07_fine_tuning": {}}
+         "04_dynamic_switching": {}, "05_checkpoints_and_faults": {}, "06_your_own_model": {}, "07_fine_tuning": {},
+         "08_sessions": {}}
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +107,18 @@ def test_fine_tuning_trains_lora_on_a_pretrained_model_evaluates_and_loads_the_a
     loaded, reported = re.search(r"held-out loss of the loaded adapters: ([\d.]+); the run's last validation loss: "
                                  r"([\d.]+)", everything).groups()
     assert loaded == reported  # PeftModel.from_pretrained gives back the model the run evaluated
+
+
+def test_sessions_train_on_across_cells_change_the_lr_replan_generate_save_and_close(tmp_path):
+    nb = execute(NOTEBOOKS / "08_sessions.ipynb", tmp_path, smoke=True)
+    everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
+    assert "session (open): dp_shard=2 on 2 processes, 4 steps" in everything
+    assert "steps 5-8 in" in everything  # the second call trains on from step 5
+    assert "session (open): tp=2 on 2 processes, 12 steps" in everything  # replanned, and on
+    assert "generated: b'def " in everything and "session-ckpt/step-00000012" in everything
+    assert "session (closed)" in everything
+    assert "the session is in kept" in everything and "session (open): dp_shard=2 on 2 processes, 8 steps" in everything
+    assert (tmp_path / "session-model" / "config.json").exists()
 
 
 def test_hybrid_parallel_tutorial_runs_and_every_plan_verifies(tmp_path):
