@@ -34,6 +34,11 @@ _PUBLIC = {
     "fit": "nbtrain.run.fit",
     "verify": "nbtrain.run.verify",
     "Session": "nbtrain.run.session.session",
+    "Optimizer": "nbtrain.run.options",
+    "Checkpointing": "nbtrain.run.options",
+    "Evaluation": "nbtrain.run.options",
+    "ModelFiles": "nbtrain.run.options",
+    "Documents": "nbtrain.run.options",
 }
 
 __all__ = sorted(_PUBLIC)

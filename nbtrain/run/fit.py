@@ -48,6 +48,7 @@ from nbtrain.run.parallel.stage_check import check_stages
 from nbtrain.run.parallel.traced_stages import check_traceable, example_microbatch
 from nbtrain.run.evaluation import check_eval_every, eval_set
 from nbtrain.run.fit_result import FitResult
+from nbtrain.run.options import Checkpointing, Documents, Evaluation, ModelFiles, Optimizer, flat, options
 from nbtrain.run.predict_here import predict_here
 from nbtrain.run.fit_worker import RunSettings, fit_worker
 from nbtrain.run.trainer import check_on_nonfinite
@@ -121,17 +122,20 @@ def world_size(num_processes: int | None) -> int:
 
 
 def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps: int, num_processes: int | None = None,
-        lr: float = 3e-4, lr_schedule: Callable[[int], float] | None = None, clip_norm: float | None = 1.0,
-        loss_fn: Callable = lm_loss, seed: int = 0, cluster=None, progress: bool = True, precision: str = "fp32",
-        save_dir=None, timeout: float | None = None, on_nonfinite: str = "stop", checkpoint_dir=None,
-        checkpoint_every: int | None = None, resume: bool = False, betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8, weight_decay: float = 0.01, decay_norms_and_biases: bool = True,
-        accumulate: int = 1, optimizer: Callable | None = None, tp_plan: dict[str, str] | None = None,
-        tokens_per_step: int | None = None, bounds=None, memory=None, init_fn: Callable | None = None,
-        weights=None, save_pretrained=None, save_merged=None, eval_data=None,
-        eval_every: int | None = None) -> FitResult:
+        optimizer: Optimizer | Callable | None = None, checkpointing: Checkpointing | None = None,
+        evaluation: Evaluation | None = None, files: ModelFiles | None = None, documents: Documents | None = None,
+        loss_fn: Callable = lm_loss, precision: str = "fp32", accumulate: int = 1, seed: int = 0,
+        tp_plan: dict[str, str] | None = None, cluster=None, progress: bool = True, timeout: float | None = None,
+        **shorthand) -> FitResult:
     """Train ``model`` for ``steps`` steps under ``plan`` in ``num_processes`` processes (default: the plan's
-    device count); the trained weights are loaded back into ``model``. ``cluster`` (a :class:`Cluster` of this
+    device count); the trained weights are loaded back into ``model``.
+
+    The options come in groups (:mod:`nbtrain.run.options`): ``optimizer=Optimizer(lr, schedule, betas, eps,
+    weight_decay, decay_norms_and_biases, clip_norm, factory, on_nonfinite)``, ``checkpointing=Checkpointing(dir,
+    every, resume)``, ``evaluation=Evaluation(data, every)``, ``files=ModelFiles(weights, init_fn, save_pretrained,
+    save_merged, save_dir)`` and ``documents=Documents(tokens_per_step, bounds, memory)``; each field is also a flat
+    keyword of its own (``lr=``, ``checkpoint_dir=``, ``eval_data=``, ``weights=``, ...), under which the rest of
+    this docstring names it. ``cluster`` (a :class:`Cluster` of this
     machine, e.g. ``Cluster.detect()``; a one-node cluster is narrowed to the processes used) adds the predicted
     step time and memory beside the measured ones. ``precision="bf16"`` computes in bf16 with
     fp32 master weights, optimizer state and gradient reduction. ``lr_schedule(step)`` multiplies ``lr``
@@ -191,6 +195,18 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     predictions); ``plan`` may also be one strategy (``"dp_shard=2"``) or ``{bound: strategy}``
     (:mod:`nbtrain.run.fit_documents`)."""
     from nbtrain.models.description import check_tensor_parallel_plan
+
+    o = flat(options(optimizer=optimizer, checkpointing=checkpointing, evaluation=evaluation, files=files,
+                     documents=documents, **shorthand))
+    lr, lr_schedule, clip_norm, on_nonfinite, optimizer = o["lr"], o["lr_schedule"], o["clip_norm"], \
+        o["on_nonfinite"], o["optimizer"]
+    betas, eps, weight_decay, decay_norms_and_biases = o["betas"], o["eps"], o["weight_decay"], \
+        o["decay_norms_and_biases"]
+    checkpoint_dir, checkpoint_every, resume = o["checkpoint_dir"], o["checkpoint_every"], o["resume"]
+    eval_data, eval_every = o["eval_data"], o["eval_every"]
+    weights, init_fn, save_pretrained, save_merged, save_dir = o["weights"], o["init_fn"], o["save_pretrained"], \
+        o["save_merged"], o["save_dir"]
+    tokens_per_step, bounds, memory = o["tokens_per_step"], o["bounds"], o["memory"]
     from nbtrain.run.fit_documents import is_documents
     from nbtrain.run.launch.environment import check_limit, visible_gpus
     from nbtrain.run.launch.workers import launch, launched_externally, runs_in_this_process

@@ -44,6 +44,7 @@ from nbtrain.errors import InvalidArgumentError, LaunchError, NbtrainError
 from nbtrain.planner.plan import Plan
 from nbtrain.profiler.model import lm_loss
 from nbtrain.run.fit_result import FitResult
+from nbtrain.run.options import Checkpointing, Documents, Evaluation, ModelFiles, Optimizer, options
 from nbtrain.run.session.channel import Channel, open_channel
 from nbtrain.run.session.host import start_host
 
@@ -58,18 +59,27 @@ _OPEN: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
 class Session:
     """Workers that keep ``model`` under ``plan`` between calls (module docstring). ``plan``: a :class:`Plan` or its
-    compact form; ``num_processes``: the plan's devices by default. The rest is ``fit``'s: ``weights`` (a folder, or
-    ``[base, adapters]``), ``tp_plan``, ``loss_fn``, ``precision``, ``seed``, ``lr``, ``lr_schedule``, ``clip_norm``,
-    ``betas``, ``eps``, ``weight_decay``, ``init_fn``; ``timeout`` bounds each call (seconds). One session is open
+    compact form; ``num_processes``: the plan's devices by default. The rest is ``fit``'s, in its groups
+    (:mod:`nbtrain.run.options`): ``optimizer=Optimizer(...)`` (or ``lr=``, ``lr_schedule=``, ``clip_norm=``, ...),
+    ``files=ModelFiles(weights=, init_fn=)`` (or ``weights=``: a folder, or ``[base, adapters]``), ``tp_plan``,
+    ``loss_fn``, ``precision``, ``seed``; ``timeout`` bounds each call (seconds). One session is open
     at a time: a second is refused until the first is closed, unless ``alongside=True``."""
 
-    def __init__(self, model: nn.Module, plan: Plan | str, *, num_processes: int | None = None, weights=None,
-                 tp_plan: dict | None = None, loss_fn=lm_loss, precision: str = "fp32", seed: int = 0,
-                 lr: float = 3e-4, lr_schedule=None, clip_norm: float | None = 1.0, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, init_fn=None, timeout: float | None = None,
-                 alongside: bool = False):
+    def __init__(self, model: nn.Module, plan: Plan | str, *, num_processes: int | None = None,
+                 optimizer: Optimizer | None = None, files: ModelFiles | None = None, loss_fn=lm_loss,
+                 precision: str = "fp32", seed: int = 0, tp_plan: dict | None = None, timeout: float | None = None,
+                 alongside: bool = False, **shorthand):
         from nbtrain.run.session.setup import session_settings
 
+        o = options(optimizer=optimizer, files=files, **shorthand)
+        if o.checkpointing != Checkpointing() or o.evaluation != Evaluation() or o.documents != Documents() or \
+                o.files.save_pretrained or o.files.save_merged or o.files.save_dir or o.optimizer.factory:
+            raise InvalidArgumentError("a session takes the optimizer's options and where its weights start "
+                                       "(weights=, init_fn=) when it starts; evaluation goes to each call "
+                                       "(s.fit(..., eval_data=) or s.evaluate), saving to s.save, "
+                                       "s.save_pretrained")
+        opt = o.optimizer
+        weights, init_fn, lr = o.files.weights, o.files.init_fn, opt.lr
         other = next((s for s in list(_OPEN) if s.alive), None)
         if other is not None and not alongside:
             raise SessionError(f"a session is open already ({other.summary()}); close it first (its .close()), or "
@@ -80,8 +90,8 @@ class Session:
         self.model, self.timeout, self.tp_plan = model, timeout, tp_plan
         self.plan, run, self.num_processes = session_settings(
             model, plan, num_processes, weights=weights, tp_plan=tp_plan, loss_fn=loss_fn, precision=precision,
-            seed=seed, lr=lr, lr_schedule=lr_schedule, clip_norm=clip_norm, betas=betas, eps=eps,
-            weight_decay=weight_decay, init_fn=init_fn)
+            seed=seed, lr=lr, lr_schedule=opt.schedule, clip_norm=opt.clip_norm, betas=opt.betas, eps=opt.eps,
+            weight_decay=opt.weight_decay, init_fn=init_fn)
         self.loss_fn, self.lr, self.steps_done, self.records = loss_fn, lr, 0, []
         self._channel: Channel | None = open_channel(self.num_processes)
         self._host = start_host(model, self.plan, run, self._channel, self.num_processes)
@@ -97,8 +107,8 @@ class Session:
         self.materialized = [r["materialized"] for r in started if r] if started else []
 
     # -- calls -----------------------------------------------------------------------------------------------------
-    def fit(self, data, *, steps: int, lr: float | None = None, eval_data=None, eval_every: int | None = None,
-            progress: bool = True) -> FitResult:
+    def fit(self, data, *, steps: int, lr: float | None = None, evaluation: Evaluation | None = None,
+            eval_data=None, eval_every: int | None = None, progress: bool = True) -> FitResult:
         """Train ``steps`` more steps on ``data`` (batches as ``fit`` takes them, read from the session's step on);
         ``lr`` is the learning rate from here on; ``eval_data``/``eval_every`` evaluate as ``fit`` does. Returns
         this call's steps as a :class:`FitResult`; an interrupted cell returns the steps that ran."""
@@ -108,7 +118,8 @@ class Session:
                             f"{steps!r}")
         if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
             raise InvalidArgumentError(f"lr must be a positive number, got {lr!r}")
-        self.plan, batches, evaluation, every = call_batches(self, data, steps, eval_data, eval_every)
+        held = options(evaluation=evaluation, eval_data=eval_data, eval_every=eval_every).evaluation
+        self.plan, batches, evaluation, every = call_batches(self, data, steps, held.data, held.every)
         arguments = dict(batches=self._post(batches), start=self.steps_done, steps=steps, lr=lr,
                          evaluation=self._post(evaluation) if evaluation else None, every=every, progress=progress)
         answer = self._call("fit", **arguments)
