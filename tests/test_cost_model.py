@@ -1,6 +1,6 @@
 """The cost model against numbers derived by hand from the formulas in :mod:`nbtrain.planner.cost`'s docstring.
 
-    .venv/bin/pytest tests/test_cost_model.py -q          # about a second, pure Python
+    .venv/bin/pytest tests/test_cost_model.py -q          # a few seconds: pure Python, but for one test that profiles a tiny GPT
 
 Every test uses the same toy model, seq_len 100, so a micro-batch of ``b`` sequences has ``100·b`` tokens:
 
@@ -605,3 +605,73 @@ def test_the_per_token_fixture_is_what_the_numbers_above_assume():
     # guards the hand arithmetic: 1000·b·s at b = 2, s = 100
     assert per_token(1_000)(2, 100) == 200_000
     assert toy().layers[1].scaling["flops_fwd"](1, 100) == 1e9
+
+
+# --- a model whose norms run fused (issue 45: the Llama 2 13B run's Triton RMSNorm) --------------------------------
+
+def _by_kernel(block_kernels: dict[str, float]) -> dict[str, Scaling]:
+    """Kernel-class counts of a layer: per-token ``*_bytes``/``*_flops``, per-call ``kernels_*``."""
+    return {q: per_token(v) if not q.startswith("kernels") else Scaling((0, 0, 0, 0, 0, v))
+            for q, v in block_kernels.items()}
+
+
+def test_fused_norms_save_what_the_profile_declares_in_activations_memory_bound_bytes_and_kernels():
+    # Each block: 1e7 matmul FLOPs a token forward (2e7 back), 5,000 memory-bound bytes a token forward and 15,000
+    # back, 10 and 20 kernels a call. Its norms, declared fused, save 600 bytes a token of the 1,000 it saves,
+    # 3,000 and 9,000 memory-bound bytes a token and 7 and 15 kernels (what two nn.RMSNorms of width 50 in bf16
+    # would: 6·50 bytes saved each). Priced by kernel class: 1 TFLOP/s of matmul, 1 GB/s of memory bandwidth.
+    counted = dict(matmul_flops_fwd=1e7, matmul_flops_bwd=2e7, matmul_bytes_fwd=0, matmul_bytes_bwd=0,
+                   attention_flops_fwd=0, attention_flops_bwd=0, memory_bytes_fwd=5_000, memory_bytes_bwd=15_000,
+                   kernels_fwd=10, kernels_bwd=20)
+    ends = dict(counted, matmul_flops_fwd=0, matmul_flops_bwd=0, memory_bytes_fwd=0, memory_bytes_bwd=0,
+                kernels_fwd=0, kernels_bwd=0)
+    base = toy()
+    layers = [dataclasses.replace(x, scaling={**x.scaling, **_by_kernel(counted if x.kind == "block" else ends)})
+              for x in base.layers]
+    unfused = dataclasses.replace(base, layers=tuple(layers))
+    saving = dict(saved=600.0, memory_fwd=3_000.0, memory_bwd=9_000.0, kernels_fwd=7.0, kernels_bwd=15.0)
+    none = dict.fromkeys(saving, 0.0)
+    fused = dataclasses.replace(unfused, arch={**unfused.arch, "fused_norm": [none, saving, saving, none]})
+    gpu = dict(memory_bandwidth=1e9, memory_efficiency=1.0)
+    ddp = plan(S(dp_replicate=8), global_batch=16)  # 2 sequences of 100 tokens a device: 200 tokens
+    before, after = (cost_model(prof=p, **gpu).estimate(ddp) for p in (unfused, fused))
+    # activations: 2 blocks × 600 B × 200 tokens fewer
+    assert before.stages[0].memory.activations - after.stages[0].memory.activations == pytest.approx(240_000)
+    # compute: a block's forward 1e7·200/1e12 s of matmul + 5,000·200/1e9 s of memory traffic = 2.0 + 1.0 ms,
+    # fused 2.0 + 0.4 ms; backward 4.0 + 3.0 ms, fused 4.0 + 1.2 ms: 0.6 + 1.8 ms less a block, two blocks
+    assert before.time.compute - after.time.compute == pytest.approx(2 * (0.6e-3 + 1.8e-3), rel=1e-9)
+    # kernels: with a 1 ms launch floor a block's forward takes its 10 kernels' 10 ms, fused its 3 kernels' 3 ms
+    # (over its 2.4 ms of work); backward 20 ms, fused 5.2 ms of work over 5 kernels' 5 ms: 7 + 14.8 ms less a block
+    slow_launch = dict(gpu, kernel_latency_s=1e-3)
+    before, after = (cost_model(prof=p, **slow_launch).estimate(ddp) for p in (unfused, fused))
+    assert before.time.compute - after.time.compute == pytest.approx(2 * (7e-3 + 14.8e-3), rel=1e-9)
+
+
+def test_a_fused_rmsnorm_saves_six_bytes_a_unit_less_than_the_nn_rmsnorm_the_profile_traces_in_bf16():
+    """Derived by hand: ``nn.RMSNorm`` as torch runs it on a CPU (its composite, what the profiler traces) upcasts
+    the bf16 input to fp32 and saves that copy (4h bytes a token), the normalised value in fp32 (4h) and the rstd
+    (4): 8h + 4. The fused kernel (torchtitan's ``TritonFusedRMSNorm``: ``save_for_backward(x, weight, rstd)``;
+    torch's CUDA ``_fused_rms_norm``) saves the bf16 input (2h) and the rstd (4): 2h + 4. So 6h bytes a token less
+    per norm: two in a block, one in the head (the final norm), none in the embedding. A tiny Llama-shaped GPT
+    (h = 64, 2 blocks), profiled at 2 × 32 tokens in bf16 and priced with no checkpointing on one A100: the
+    activations fall by (2·2 + 1) norms × 6·64 bytes × 64 tokens = 122,880 bytes, nothing else changes."""
+    import torch
+
+    from nbtrain.models.gpt import GPT, GPTConfig
+    from nbtrain.profiler.hardware import Cluster
+    from nbtrain.profiler.model import profile as profile_model
+
+    config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, norm="rmsnorm", mlp="swiglu",
+                       position="rope", bias=False, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(config)
+    traced, fused = (profile_model(model, batch_size=2, seq_len=32, dtype="bf16", fused_norm=f) for f in (False, True))
+    h = 64
+    assert [layer["saved"] for layer in fused.arch["fused_norm"]] == [0, 2 * 6 * h, 2 * 6 * h, 6 * h]
+    assert "fused_norm" not in traced.arch
+    a100 = Cluster.from_catalog("A100-80GB", num_devices=1)
+    one = Plan.parse("dp_replicate=1", num_devices=1, num_layers=4, global_batch=2, seq_len=32)
+    before, after = (estimate(one, p, a100) for p in (traced, fused))
+    assert before.stages[0].memory.activations - after.stages[0].memory.activations == (2 * 2 + 1) * 6 * h * 64
+    assert after.stages[0].memory.params == before.stages[0].memory.params
+    assert after.step_time_s < before.step_time_s  # fewer bytes read and written, fewer kernels

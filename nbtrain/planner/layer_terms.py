@@ -9,7 +9,9 @@ recomputes; the activations one TP rank keeps; the loss's bytes; and what TP lea
 
 from __future__ import annotations
 
-from nbtrain.planner.compute_time import by_kernel_class, layer_work, seconds
+from dataclasses import replace
+
+from nbtrain.planner.compute_time import Work, by_kernel_class, layer_work, seconds
 from nbtrain.planner.expert_cost import whole_under_tp
 from nbtrain.planner.memory_terms import loss_bytes
 from nbtrain.planner.selective_cost import matmul_recompute_seconds, recompute_seconds, split_over_tp
@@ -52,8 +54,9 @@ class LayerTerms:
         every rank: a block's two norms' inputs and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh
         counts two dropout masks besides), a head's input, and a head that gathers its logits the loss's copy of
         them (:meth:`_gathers_output`). A block with ``sp`` splits those along the sequence
-        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``)."""
-        full = self._eval(index, "activation_bytes", b)
+        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``). A model whose norms run fused
+        saves less (:meth:`_fused_norm`); its norms' four hidden states are then exactly what a fused norm keeps."""
+        full = self._eval(index, "activation_bytes", b) - self._fused_norm(index, "saved") * b * self.seq_len
         if s.tp == 1:
             return full
         kind = self.profile.layers[index].kind
@@ -89,7 +92,29 @@ class LayerTerms:
             fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
             bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
         elif by_kernel_class(prof, c, timed_here=self.measured):  # a GPU, kernels counted
-            fwd, bwd = (seconds(w.split(tp), c) for w in layer_work(prof, b, self.seq_len))
+            fwd, bwd = (seconds(self._fused_work(index, w, d, b).split(tp), c)
+                        for w, d in zip(layer_work(prof, b, self.seq_len), ("fwd", "bwd")))
         else:
             fwd, bwd = flops_fwd / c.sustained_flops, flops_bwd / c.sustained_flops
         return fwd * self.slowdown, bwd * self.slowdown
+
+    def _fused_norm(self, index: int, quantity: str) -> float:
+        """What the model's fused norms save on layer ``index`` against the norms its profile traced, per token
+        (``saved``, ``memory_fwd``, ``memory_bwd``: bytes) or per call (``kernels_fwd``, ``kernels_bwd``); 0 unless
+        the profile declares them (``profile(..., fused_norm=True)``, :func:`~nbtrain.models.planner_facts.
+        fused_norm_facts`). A fused RMSNorm (torchtitan's Triton kernel, torch's CUDA ``_fused_rms_norm``) saves its
+        input in the compute dtype and one fp32 rstd a token, where ``nn.RMSNorm`` traced on a CPU saves the input
+        upcast to fp32 and the fp32 normalised value: in bf16, 2h + 4 bytes a token against 8h + 4, 6h less per
+        norm; and it reads and writes each tensor once, in one kernel each way and one more for the weight's
+        gradient, where the traced norm runs eight ops forward and seventeen backward."""
+        facts = self.profile.arch.get("fused_norm")
+        return float(facts[index].get(quantity, 0.0)) if facts and index < len(facts) else 0.0
+
+    def _fused_work(self, index: int, work: Work, direction: str, b: float) -> Work:
+        """``work`` (a layer's forward or backward on ``b`` sequences) with its norms fused: fewer memory-bound bytes
+        and kernels (:meth:`_fused_norm`)."""
+        fewer = self._fused_norm(index, f"memory_{direction}") * b * self.seq_len
+        kernels = self._fused_norm(index, f"kernels_{direction}")
+        if not (fewer or kernels):
+            return work
+        return replace(work, memory_bytes=max(0.0, work.memory_bytes - fewer), kernels=max(0.0, work.kernels - kernels))

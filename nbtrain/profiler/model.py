@@ -28,7 +28,7 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family, set_training
 from nbtrain.models.description import describe, slot_module
-from nbtrain.models.planner_facts import planner_facts
+from nbtrain.models.planner_facts import fused_norm_facts, planner_facts
 from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.routing import why_not_traced
@@ -187,7 +187,7 @@ def _attribute_params(step: Step, module_segment: dict[nn.Module, int]):
 
 def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bfloat16",
             measure: bool | str = False, inputs: Callable | None = None, loss_fn: Callable | None = None,
-            name: str | None = None, tp_plan: dict[str, str] | None = None) -> ModelProfile:
+            name: str | None = None, tp_plan: dict[str, str] | None = None, fused_norm: bool = False) -> ModelProfile:
     """Profile ``model`` (an ``nn.Module``, a preset name like ``"llama-7b"``, or ``"module:attr"``).
 
     ``seq_len`` defaults to the model's context length, at most 1024. ``measure=True`` (or a device such as
@@ -214,7 +214,11 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     inputs are cast to ``dtype`` (a bf16 conv refuses fp32 images); ids and masks keep theirs.
     :func:`nbtrain.profiler.inputs.inputs_like` makes ``inputs`` shaped like a batch of real data. ``tp_plan``
     (module-name patterns to styles) is the user's tensor-parallel plan, for a model whose config carries none: the
-    profile then tells the planner that its blocks split.
+    profile then tells the planner that its blocks split. ``fused_norm=True`` declares that where the model trains,
+    its RMSNorms over the hidden state run as one fused kernel each (torchtitan's ``norm_type = "fused_rmsnorm"``,
+    Apex's ``FusedRMSNorm``), which saves only the norm's input and one number a token and reads and writes each
+    tensor once: the profile keeps, per layer, what that saves against the norms it traced
+    (``arch["fused_norm"]``, :func:`nbtrain.models.planner_facts.fused_norm_facts`), and the planner prices it.
     """
     started = time.perf_counter()
     label, model = resolve_model(model, name)
@@ -255,6 +259,11 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}
     description = describe(model, tp_plan)
     arch.update(planner_facts(description))  # what the executor can split and cut, for the planner
+    if fused_norm:  # declared: its RMSNorms run fused where it trains (what each layer saves, for the planner)
+        arch["fused_norm"] = fused_norm_facts(description, torch_dtype, family.n_embd)
+        if not any(any(layer.values()) for layer in arch["fused_norm"]):
+            notes.append("fused_norm: no RMSNorm over the hidden state that a fused kernel would run with less was "
+                         "found; nothing is priced differently")
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
     if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute
