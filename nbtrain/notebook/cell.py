@@ -203,8 +203,12 @@ def plan_model(model: nn.Module, name: str, *, gpus: int | None = None, gpus_per
     ``calibrate=False`` (``--no-calibrate``): this machine is not measured (generic CPU rates, cached links)."""
     memory = parse_bytes(memory) if memory is not None else None  # the search and the baselines read bytes
     inputs = _inputs_for(model, data)
+    local = gpus is None and gpu is None and gpus_per_node is None
+    if local and data is not None:  # planned for the batches the launch trains on: one plan, one prediction
+        rows, length = data_shape(model, data, loss_fn)
+        batch, seq = batch or rows, seq or (length if model_vocab_size(model) else None)
     profile = _profile(model, name, seq, _dtype(dtype), loss_fn, inputs, tp_plan)
-    if gpus is None and gpu is None and gpus_per_node is None:
+    if local:
         cluster = Cluster.this_machine(processes, calibrate=calibrate)
     else:
         cluster = Cluster.from_catalog(gpu or "H100", num_devices=gpus or AUTOPARALLEL.gpus_with_gpu,
@@ -320,21 +324,27 @@ def vocab_size(model: nn.Module) -> int:
     return vocab
 
 
+def data_shape(model: nn.Module, data, loss_fn=None) -> tuple[int, int | None]:
+    """The rows and length of ``data``'s first batch (``--data``), as ``fit`` will train on it (token ids alone
+    give their next tokens as targets: one fewer position); a batch it would refuse is refused here, in its words."""
+    first = data(0) if callable(data) else next(iter(data), None)
+    if first is None:
+        raise InvalidArgumentError("--data holds no batches; give a list of (ids, targets) global batches, or a "
+                                   "function step → batch")
+    if loss_fn is None and model_vocab_size(model):  # token ids alone: fit trains on the next tokens
+        first = split_window(first)
+    ids, _ = check_batch(first, step=0, global_batch=None, seq_len=None, vocab_size=model_vocab_size(model),
+                         lm_targets=loss_fn is None)
+    return batch_shape(ids)
+
+
 def local_run(model: nn.Module, plan, *, processes: int, steps: int, data=None, loss_fn=None, seed: int = 0,
               seq: int | None = None):
     """``plan`` as it runs here on ``processes`` processes, and the batches it trains on: ``data``'s rows set its
     global batch; without data, standard-library text for ``steps`` steps at the plan's batch (scaled here)."""
     layer_slots(model)  # a model the executor cannot run is refused before any batch is read or made
     if data is not None:
-        first = data(0) if callable(data) else next(iter(data), None)
-        if first is None:
-            raise InvalidArgumentError("--data holds no batches; give a list of (ids, targets) global batches, or a "
-                                       "function step → batch")
-        if loss_fn is None and model_vocab_size(model):  # token ids alone: fit trains on the next tokens
-            first = split_window(first)
-        ids, _ = check_batch(first, step=0, global_batch=None, seq_len=None, vocab_size=model_vocab_size(model),
-                             lm_targets=loss_fn is None)
-        rows, length = batch_shape(ids)
+        rows, length = data_shape(model, data, loss_fn)
         try:
             return scale_plan(plan, processes, global_batch=rows, seq_len=length), data
         except InvalidPlanError as error:  # the data's rows are the global batch: say so
