@@ -30,16 +30,22 @@ Sources (torchtitan, ``git show <commit>:<file>`` in github.com/pytorch/torchtit
   TP 8, torch.compile, per-op SAC, local batch 12: 4,378 tok/s. Same Grand Teton hardware. torchtitan's TP is
   with sequence parallelism (``sp``). seq_len 8192: the train configs' default (not stated in the file).
 
+Devices. The A100 rows ran on A100-80GB SXM (the catalog's datasheet figures). The H100 rows ran on Meta's Grand
+Teton H100s, HBM2e at a 500 W limit, whose compute rate no datasheet gives ("between SXM and NVL, and we don't
+know its exact value"): the catalog's ``H100-500W`` takes it from ONE of these runs, the 8-GPU Llama 3.1 8B row
+(Table 1; ``nbtrain/profiler/catalog.py`` has the arithmetic: 0.627 of the SXM part's compute-bound rates, 498
+TFLOP/s of matmul). That row therefore is not a prediction (its ratio is 1.00 by construction, and the table says
+so); every other H100 row is priced on the same entry and is one. The standard ``H100`` (SXM) entry is untouched.
+
 The 13B row's run used torchtitan's Triton RMSNorm (``norm_type = "fused_rmsnorm"`` in that commit's
-``train_configs/llama_13b.toml``), which saves the norm's bf16 input and one number per token; nbtrain's GPT's
-RMSNorm (as torchtitan's unfused ``rmsnorm`` and transformers' ``LlamaRMSNorm``) upcasts to fp32 and saves that
-copy and the normalised value: 8 bytes per hidden unit per token per block more, 12.5 GiB of the 93 GiB predicted at
-that shape. nbtrain predicts the model it would run, so the row says "does not fit" for a reason of the model, not
-of the cost model.
+``train_configs/llama_13b.toml``), which saves the norm's bf16 input and one fp32 number per token; nbtrain's GPT's
+RMSNorm (``nn.RMSNorm`` as the profiler traces it, like torchtitan's unfused ``rmsnorm``) upcasts to fp32 and
+saves that copy and the normalised value: 6 bytes per hidden unit per token per norm more, 18.75 GiB over the 40
+blocks' 80 norms at that shape. The row's model is profiled with ``fused_norm=True``, which declares that, and the
+planner prices it (the bytes saved, and the memory-bound bytes and kernels each way, ``planner/layer_terms.py``).
 
 What nbtrain does not model and these runs had: torch.compile (the two asyncTP rows: it fuses the memory-bound ops
-nbtrain prices one kernel each), and the 500 W power limit of Meta's H100s beyond their 2.4 TB/s memory (their
-compute peak "is between SXM and NVL, and we don't know its exact value").
+nbtrain prices one kernel each).
 """
 
 from __future__ import annotations
@@ -75,7 +81,9 @@ MODELS = {
                                  ffn_hidden=53248), 405.9e9),
     "Llama 2 13B": (preset_config("llama-13b"), 13.0e9),  # Touvron et al. 2023, Table 1: 13B (13.0 B in params.json)
 }
-# Meta's Grand Teton H100s (the catalog's "H100-96GB-500W"); torchtitan's docs/performance.md at e6fcb96d8 gives
+FUSED_NORM = {"Llama 2 13B"}
+"""Models whose published run fused its RMSNorms (the module docstring): profiled with ``fused_norm=True``."""
+# Meta's Grand Teton H100s (the catalog's "H100-500W"); torchtitan's docs/performance.md at e6fcb96d8 gives
 # their memory as the runtime sees it: "NVIDIA H100 GPUs with 95 GiB memory".
 GRAND_TETON = dict(device_memory=95 * GiB)
 
@@ -93,14 +101,16 @@ class Run:
     published: float
     """tokens/s per GPU"""
     mfu: float | None = None
+    sets_rate: bool = False
+    """The run the catalog's H100-500W takes its compute rate from: not a prediction (the module docstring)."""
 
 
 TITAN = "torchtitan "
 RUNS = [
     Run("Llama 3.1 8B, FSDP 8, local batch 2, per-op SAC", TITAN + "benchmarks/llama3_h100_202412 Table 1",
-        "Llama 3 8B", "H100-96GB-500W", 8, "dp_shard=8 ac=op", 16, 8192, 5762, 0.33),
+        "Llama 3 8B", "H100-500W", 8, "dp_shard=8 ac=op", 16, 8192, 5762, 0.33, sets_rate=True),
     Run("same, FSDP 128", TITAN + "benchmarks/llama3_h100_202412 Table 3",
-        "Llama 3 8B", "H100-96GB-500W", 128, "dp_shard=128 ac=op", 256, 8192, 5605, 0.33),
+        "Llama 3 8B", "H100-500W", 128, "dp_shard=128 ac=op", 256, 8192, 5605, 0.33),
     Run("Llama 3 8B, FSDP 64, batch 1, AC every 2nd block", TITAN + "docs/performance.md (4d88a8a)",
         "Llama 3 8B", "A100-80GB", 64, "dp_shard=64 ac=1/2", 64, 8192, 2904, 0.568),
     Run("Llama 3 70B, FSDP 64, batch 1, full AC", TITAN + "docs/performance.md (4d88a8a)",
@@ -108,11 +118,11 @@ RUNS = [
     Run("Llama 2 13B, FSDP 64, batch 2, no AC", TITAN + "docs/performance.md (6aac938)",
         "Llama 2 13B", "A100-80GB", 64, "dp_shard=64", 128, 4096, 2162, 0.611),
     Run("Llama 3 70B, FSDP 32 x TP 8, batch 16, full AC, compile", TITAN + "benchmarks/asyncTP_llama3_h100_2025-06",
-        "Llama 3 70B", "H100-96GB-500W", 256, "dp_shard=32 tp=8 sp ac", 512, 8192, 597.3),
+        "Llama 3 70B", "H100-500W", 256, "dp_shard=32 tp=8 sp ac", 512, 8192, 597.3),
     Run("Llama 3 8B, FSDP 8 x TP 8, batch 12, per-op SAC, compile", TITAN + "benchmarks/asyncTP_llama3_h100_2025-06",
-        "Llama 3 8B", "H100-96GB-500W", 64, "dp_shard=8 tp=8 sp ac=op", 96, 8192, 4378),
+        "Llama 3 8B", "H100-500W", 64, "dp_shard=8 tp=8 sp ac=op", 96, 8192, 4378),
     Run("Llama 3.1 405B, FSDP 16 x TP 8, batch 2, full AC", TITAN + "docs/performance.md (4d88a8a)",
-        "Llama 3.1 405B", "H100-96GB-500W", 128, "dp_shard=16 tp=8 sp ac", 32, 8192, 109, 0.290),
+        "Llama 3.1 405B", "H100-500W", 128, "dp_shard=16 tp=8 sp ac", 32, 8192, 109, 0.290),
 ]
 
 
@@ -122,12 +132,12 @@ def profiles() -> dict:
     for name, (config, _) in MODELS.items():
         with torch.device("meta"):
             model = GPT(config)
-        out[name] = profile(model, batch_size=1, seq_len=128, name=name)
+        out[name] = profile(model, batch_size=1, seq_len=128, name=name, fused_norm=name in FUSED_NORM)
     return out
 
 
 def cluster(run: Run) -> Cluster:
-    extra = GRAND_TETON if run.gpu == "H100-96GB-500W" else {}
+    extra = GRAND_TETON if run.gpu == "H100-500W" else {}
     return Cluster.from_catalog(run.gpu, num_devices=run.gpus, **extra)
 
 
@@ -139,25 +149,35 @@ def main() -> None:
         sizes.add(name, f"{profs[name].params / 1e9:.2f} B", f"{published / 1e9:.2f} B")
     print(sizes, end="\n\n")
 
-    table = Table(["published run", "source", "plan", "published tok/s/GPU", "predicted", "pred/pub", "fits",
-                   "MFU pred / pub"], title="nbtrain's prediction beside published runs")
+    table = Table(["published run", "source", "GPUs", "plan", "published tok/s/GPU", "predicted", "pred/pub",
+                   "fits", "MFU pred / pub"], title="nbtrain's prediction beside published runs")
+    ratios, fits = [], []
     for run in RUNS:
         prof = profs[run.model]
+        gpus = f"{run.gpus} × {run.gpu}"
         try:
             plan = Plan.parse(run.plan, num_devices=run.gpus, num_layers=len(prof.layers),
                               global_batch=run.global_batch, seq_len=run.seq_len)
         except NbtrainError as error:  # a key the grammar does not know yet: say what the row needs
             needs = "needs the grammar: " + str(error).split(";")[0]  # the key it does not know yet
-            table.add(run.what, run.source, run.plan, f"{run.published:,.0f}", needs,
+            table.add(run.what, run.source, gpus, run.plan, f"{run.published:,.0f}", needs,
                       "", "", f"— / {run.mfu:.1%}" if run.mfu else "")
             continue
         pred = estimate(plan, prof, cluster(run))
         per_gpu = pred.tokens_per_s / run.gpus
         used = f"{pred.memory_bytes / GiB:.1f}/{pred.budget_bytes / GiB:.0f} GiB"
-        table.add(run.what, run.source, run.plan, f"{run.published:,.0f}", f"{per_gpu:,.0f}",
-                  f"{per_gpu / run.published:.2f}", ("yes " if pred.fits else "NO ") + used,
+        fits.append(pred.fits)
+        if not run.sets_rate:
+            ratios.append(per_gpu / run.published)
+        table.add(run.what, run.source, gpus, run.plan, f"{run.published:,.0f}", f"{per_gpu:,.0f}",
+                  f"{per_gpu / run.published:.2f}" + (f" (sets {run.gpu}'s rate)" if run.sets_rate else ""),
+                  ("yes " if pred.fits else "NO ") + used,
                   f"{pred.mfu:.1%} / {run.mfu:.1%}" if run.mfu else f"{pred.mfu:.1%} / —")
     print(table)
+    inside = sum(0.85 <= r <= 1.15 for r in ratios)
+    print(f"\npredictions (every row but the one that set a device's rate): {inside} of {len(ratios)} within "
+          f"0.85-1.15 ({min(ratios):.2f}-{max(ratios):.2f}); published runs predicted to fit: {sum(fits)} of "
+          f"{len(fits)}")
     print(f"\n({time.perf_counter() - started:.0f} s)")
 
 

@@ -67,6 +67,57 @@ def test_compute_rates_match_datasheets_and_the_measured_h200():
     assert Cluster.from_catalog("H200").sustained_flops == pytest.approx(790 * TFLOPS, rel=0.05)
 
 
+def test_the_500w_h100_runs_its_compute_bound_kernels_at_what_one_published_run_implies():
+    """catalog.py's arithmetic by hand: torchtitan's 8-GPU Llama 3.1 8B step takes 2 × 8192 / 5,762 = 2.843 s; the
+    cost model prices 0.627 s of it outside matmuls and attention, and 1.390 s for them at the SXM part's rates;
+    1.390 / (2.843 − 0.627) = 0.627, so 0.627 × 794.5 = 498 TFLOP/s of matmul and 0.627 × 0.35 of peak for
+    attention. The SXM entry keeps its datasheet figures."""
+    from nbtrain.profiler.catalog import H100_500W_CLOCK
+
+    assert H100_500W_CLOCK == pytest.approx(1.390 / (2 * 8192 / 5762 - 0.627), rel=1e-12)
+    assert H100_500W_CLOCK == pytest.approx(0.627, abs=5e-4)
+    capped, sxm = Cluster.from_catalog("H100-500W", num_devices=8), Cluster.from_catalog("H100", num_devices=8)
+    assert capped.sustained_flops == pytest.approx(498.3 * TFLOPS, rel=1e-3)
+    assert capped.peak_flops * capped.attention_efficiency == pytest.approx(0.627 * 0.35 * 989.4 * TFLOPS, rel=1e-3)
+    assert capped.memory_bandwidth == pytest.approx(2.4e12) and capped.device_memory == 96 * GB
+    assert (sxm.peak_flops, sxm.sustained_flops, sxm.attention_efficiency, sxm.memory_bandwidth) == \
+        pytest.approx((989.4 * TFLOPS, 794.5 * TFLOPS, 0.35, 3.35e12))
+    assert lookup("H100-96GB-500W") == lookup("h100 500w") == "H100-500W"  # the entry's name before issue 45
+
+
+@pytest.mark.slow
+def test_the_500w_h100s_figures_are_what_the_cost_model_prices_of_torchtitans_8b_step():
+    """The two numbers catalog.py reads off nbtrain's pricing of the run that sets the 500 W H100's rate (Llama 3.1
+    8B, dp_shard=8 ac=op, 2 × 8192 tokens a GPU, 95 GiB as the runtime sees them), recomputed: at the SXM part's
+    rates the step takes T(1), at half of them T(½); what scales with the rate is 1.390 s = T(½) − T(1), the rest
+    0.627 s = 2·T(1) − T(½). ~20 s: it profiles the 8B shape on meta. A change to the cost model that moves them
+    must derive the entry again (and bench/published.py then shows the rows on it)."""
+    from nbtrain.models.gpt import GPT, GPTConfig
+    from nbtrain.planner.cost import estimate
+    from nbtrain.planner.plan import Plan
+    from nbtrain.profiler.model import profile
+
+    # Meta's Llama 3.1 8B (model card, params.json), as bench/published.py builds it
+    config = GPTConfig(vocab_size=128256, block_size=8192, norm="rmsnorm", mlp="swiglu", position="rope", bias=False,
+                       tie_embeddings=False, norm_eps=1e-5, rope_theta=500000.0, n_layer=32, n_head=32, n_kv_head=8,
+                       n_embd=4096, ffn_hidden=14336)
+    with torch.device("meta"):
+        model = GPT(config)
+    prof = profile(model, batch_size=1, seq_len=128)
+    plan = Plan.parse("dp_shard=8 ac=op", num_devices=8, num_layers=len(prof.layers), global_batch=16, seq_len=8192)
+
+    def step(rate: float) -> float:
+        return estimate(plan, prof, Cluster.from_catalog("H100-500W", num_devices=8, device_memory=95 * GiB,
+                                                         flops_efficiency=rate * 794.5 / 989.4,
+                                                         attention_efficiency=rate * 0.35)).step_time_s
+
+    at_sxm, at_half = step(1.0), step(0.5)
+    assert at_half - at_sxm == pytest.approx(1.390, abs=0.002)
+    assert 2 * at_sxm - at_half == pytest.approx(0.627, abs=0.002)
+    published = estimate(plan, prof, Cluster.from_catalog("H100-500W", num_devices=8, device_memory=95 * GiB))
+    assert published.tokens_per_s / 8 == pytest.approx(5762, rel=0.002)
+
+
 def test_device_memory_is_what_the_runtime_sees():
     assert Cluster.from_catalog("H100").device_memory == 80 * GiB
     assert 139 * GiB <= Cluster.from_catalog("H200").device_memory <= 141 * GiB  # nvidia-smi: 143771 MiB

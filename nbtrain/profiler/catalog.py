@@ -123,6 +123,26 @@ TB = 1e12
 _KERNEL_FLOORS = dict(memory_efficiency=0.9, kernel_latency_s=5e-6, collective_latency_s=6e-6,
                       inter_node_latency_s=25e-6)
 
+# The 500 W H100's compute rate (issue 45), derived from ONE published run and from no other: torchtitan's
+# benchmarks/llama3_h100_202412_torchtitan.md, Table 1, "FSDP" row: Llama 3.1 8B on 8 of these GPUs, FSDP 8, local
+# batch 2 x 8192, per-op selective checkpointing, eager (no compile, no Float8): 5,762 tokens/s a GPU, so one step
+# takes 2 x 8192 / 5,762 = 2.843 s. nbtrain's profile of that step (bench/published.py: dp_shard=8 ac=op on this
+# entry) computes on each GPU 8.21e14 matmul FLOPs (7.38e14, and 0.84e14 that ac=op recomputes) and 1.23e14 causal
+# attention FLOPs (the model's 6N + 12LHQT = 5.79e10 FLOPs a token is 9.49e14 a step: at 5,762 tokens/s that is
+# 334 TFLOP/s, torchtitan's 33% MFU, the rate of the whole step and not of any kernel), and prices 0.627 s of the
+# step outside them, at this card's own 2.4 TB/s: the memory-bound ops (1.20e12 bytes at 0.9 of it, 0.557 s),
+# those ac=op recomputes (0.061 s) and FSDP's exposed communication (0.009 s). That leaves 2.843 - 0.627 = 2.216 s
+# for the matmuls and attention, which the SXM part's rates (794.5 and 0.35 x 989.4 TFLOP/s) run in 1.034 + 0.356
+# = 1.390 s: this card runs its compute-bound kernels at 1.390 / 2.216 = 0.627 of the SXM part's rates (a 500 W cap
+# lowers the clock both ride on): 498 TFLOP/s of matmul. The figure carries whatever of that run nbtrain does not
+# model, and bench/published.py marks that row as the one that set it: it is not a prediction there.
+# tests/test_cluster.py recomputes each number from the profile.
+_TITAN_8B_STEP_S = 2 * 8192 / 5762          # s a step on each GPU, Table 1's FSDP row
+_TITAN_8B_OTHER_S = 0.627                   # s of it nbtrain prices outside matmuls and attention
+_TITAN_8B_AT_SXM_S = 1.034 + 0.356          # s its matmuls and attention take at the SXM part's rates
+H100_500W_CLOCK = _TITAN_8B_AT_SXM_S / (_TITAN_8B_STEP_S - _TITAN_8B_OTHER_S)
+"""The 500 W H100's compute-bound kernels' rate as a fraction of the SXM part's: 0.627 (derived above)."""
+
 CATALOG: dict[str, DeviceSpec] = {
     # Tesla V100 SXM2 32GB datasheet: 125 TFLOP/s fp16 tensor (no bf16 before A100), NVLink2 300 GB/s both ways,
     # PCIe Gen3. DGX-1V: 4× EDR for 8 GPUs (half a NIC each), 512 GB RAM, 2 sockets.
@@ -147,10 +167,12 @@ CATALOG: dict[str, DeviceSpec] = {
     # Meta's Grand Teton H100 (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): "96GB HBM2e
     # with 2.4 TB/sec peak memory bandwidth", "the default 500W power limit" (the SXM part is rated 700 W);
     # 400 Gb/s RDMA per GPU. Its peak "is between SXM and NVL, and we don't know its exact value" (the same file,
-    # note 2): the SXM figures are kept, so this entry over-states its compute by what the lower power costs.
-    "H100-96GB-500W": DeviceSpec(96 * GB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
-                                 2 * ADAMW_PER_SOCKET, flops_efficiency=794.5 / 989.4, memory_bandwidth=2.4 * TB,
-                                 attention_efficiency=0.35, **_KERNEL_FLOORS, inter_link="RDMA 400 Gb/s"),
+    # note 2), and no datasheet gives it: its compute rate is what ONE of torchtitan's runs on it implies
+    # (H100_500W_CLOCK below). peak_flops stays the SXM part's 989.4, the denominator torchtitan's MFU divides by.
+    "H100-500W": DeviceSpec(96 * GB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
+                            2 * ADAMW_PER_SOCKET, flops_efficiency=H100_500W_CLOCK * 794.5 / 989.4,
+                            memory_bandwidth=2.4 * TB, attention_efficiency=H100_500W_CLOCK * 0.35,
+                            **_KERNEL_FLOORS, inter_link="RDMA 400 Gb/s"),
     # H200 SXM datasheet: "141 GB" HBM3e (the runtime sees ~140 GiB: 143771 MiB), same compute and NVLink as H100.
     # DGX H200: 8× NDR, 2 TB RAM, 2 sockets.
     "H200": DeviceSpec(140 * GiB, 989.4 * TFLOPS, 900 * GB / 2, IB_NDR, 2048 * GiB, PCIE_GEN5,
@@ -191,7 +213,7 @@ _ALIASES = {  # normalised (lower-case letters and digits only) → catalog name
     "a100": "A100-80GB", "a10080gb": "A100-80GB", "a10080g": "A100-80GB", "a10080": "A100-80GB",
     "a10040gb": "A100-40GB", "a10040g": "A100-40GB", "a10040": "A100-40GB",
     "h100": "H100", "h10080gb": "H100", "h100sxm": "H100", "h100sxm5": "H100",
-    "h10096gb500w": "H100-96GB-500W", "h10096gb": "H100-96GB-500W", "h100hbm2e": "H100-96GB-500W",
+    "h100500w": "H100-500W", "h10096gb500w": "H100-500W", "h10096gb": "H100-500W", "h100hbm2e": "H100-500W",
     "h200": "H200", "h200141gb": "H200", "h200sxm": "H200", "l4": "L4",
     "rtx4090": "RTX4090", "4090": "RTX4090", "geforcertx4090": "RTX4090", "a6000": "A6000", "rtxa6000": "A6000",
     "cpu": "cpu", "host": "cpu",
