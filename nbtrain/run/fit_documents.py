@@ -21,7 +21,8 @@ from torch import nn
 
 from nbtrain.data import as_documents
 from nbtrain.errors import InvalidArgumentError, LaunchError
-from nbtrain.planner.plan import Plan
+from nbtrain.models.description import layer_slots
+from nbtrain.planner.switching.bucket_strategy import bucket_plan
 from nbtrain.run.batches import model_vocab_size
 from nbtrain.run.fit_result import FitResult
 from nbtrain.run.state.checkpoint import folder_for_run, with_resume_hint
@@ -157,7 +158,8 @@ def fit_documents(model: nn.Module, documents, *, plan, steps: int, num_processe
         raise with_resume_hint(error, folder, steps) from None
     if state is not None:
         load_trained(model, state)
-    home = Plan(num_devices=num_processes, layers=(layout.home,))  # the layout the weights are trained in
+    # the layout the weights are trained in (a pipelined home: its stages)
+    home = bucket_plan(layout.home, num_processes, len(layer_slots(model)))
     predicted = layout.predicted
     latest = folder.latest() if folder is not None else None
     return DocumentsFitResult(home, records, predicted.step_time_s if predicted else None,

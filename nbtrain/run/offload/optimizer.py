@@ -218,12 +218,14 @@ class OffloadedAdamW(Landing, torch.optim.Optimizer):
     @contextmanager
     def no_sync(self):
         """Micro-batches before a step's last: gradients accumulate in ``.grad``, nothing is copied or queued (with
-        DDP, the model's own ``no_sync()`` already keeps its all-reduce, and so the hand-over, for the last)."""
-        self._sync = False
+        DDP, the model's own ``no_sync()`` already keeps its all-reduce, and so the hand-over, for the last). It may be
+        entered inside itself (hot switching runs a pipelined home's earlier buckets under it, and the pipeline's
+        backward enters it again per micro-batch): leaving the inner one keeps the outer one's."""
+        before, self._sync = self._sync, False
         try:
             yield
         finally:
-            self._sync = True
+            self._sync = before
 
     # -- the worker thread ---------------------------------------------------------------------------------------
 

@@ -43,20 +43,33 @@ from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.run.parallel.parallelize import add_fsdp_root
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+KEPT_SCHEDULES = 8
+"""Stages and schedules :meth:`PipelineRunner.run_rows` keeps, the most recently used (each holds its buffers)."""
 
 
 class StageModule(nn.Module):
     """Layers ``[start, end)`` of the model as one module: the first stage takes token ids, the last returns
-    logits, the others pass the hidden state on."""
+    logits, the others pass the hidden state on. Keywords given to every stage (hot switching's ``doc_ids`` for
+    nbtrain's GPT, whose blocks keep attention inside each packed document) reach the layers whose forward names
+    them; without them each layer gets the hidden state alone, as the static pipeline runs it."""
 
     def __init__(self, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.keywords = [_keywords(layer) for layer in layers]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
+    def forward(self, x: torch.Tensor, **keywords) -> torch.Tensor:
+        for layer, names in zip(self.layers, self.keywords):
+            x = layer(x, **{k: v for k, v in keywords.items() if k in names})
         return x
+
+
+def _keywords(layer: nn.Module) -> frozenset[str]:
+    """The keyword arguments a layer's own forward takes besides its input (through a checkpoint wrapper)."""
+    import inspect
+
+    inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+    return frozenset(list(inspect.signature(inner.forward).parameters)[1:])
 
 
 class PipelineRunner:
@@ -82,6 +95,11 @@ class PipelineRunner:
         self.microbatches = plan.microbatches
         self.schedule = SCHEDULES[plan.schedule](self.stage, n_microbatches=plan.microbatches, loss_fn=loss,
                                                  scale_grads=False)  # loss_fn weighs each micro-batch itself
+        # hot switching's buckets: a stage and schedule per micro-batch count and shape (run_rows)
+        self._where = (meshes.stage, plan.pp, device, group, plan.schedule, loss)
+        self._buckets: dict = {}
+        self._aside: dict = {}
+        self._handed_to = None
         # a head tied to the embedding in another stage: the slots holding this stage's copy of the shared weight
         self.tied: list[tuple[nn.Module, str]] = []
         self.embedding_group = None
@@ -127,26 +145,64 @@ class PipelineRunner:
         to overlap). The schedule's own reduction afterwards then finds nothing left to reduce (FSDP2's
         ``post_backward`` is a no-op for groups already reduced). The clipping norm sums over the stages, counting
         a tied embedding once; its copies' gradients are handed over in ``step()``, after :meth:`sync_tied`."""
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.pipelining.stage import stage_backward
-
-        stage, inner = self.stage, self.stage.backward_maybe_with_nosync
-
-        def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
-            if not last_backward:
-                with optimizer.no_sync():
-                    return inner(backward_type, bwd_kwargs, last_backward)
-            if backward_type != "full" or not isinstance(stage.submod, FSDPModule):
-                return inner(backward_type, bwd_kwargs, last_backward)
-            stage.submod.set_is_last_backward(True)
-            stage.submod.set_reshard_after_backward(True)
-            stage.submod.set_requires_gradient_sync(True)
-            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                  bwd_kwargs["input_values"]), None
-
-        stage.backward_maybe_with_nosync = backward
+        _hand_over(self.stage, optimizer)
+        for stage, _ in self._buckets.values():
+            _hand_over(stage, optimizer)
+        self._handed_to = optimizer  # and the stages run_rows builds later
         optimizer.join_pipeline(pipeline_group, counted_elsewhere=self.counted_elsewhere(),
                                 at_step=self.tied_parameters())
+
+    def run_rows(self, ids, targets, microbatches: int, keywords: dict | None = None) -> torch.Tensor | None:
+        """Forward and backward of this data-parallel slice's rows in ``microbatches`` micro-batches, for hot
+        switching (:mod:`nbtrain.run.switching.layouts`): one layout's pipeline runs buckets of several row lengths,
+        each in its own count. ``keywords``: tensors of the same rows every stage's layers take beside the hidden
+        state (``doc_ids``), cut into the same micro-batches. The last stage returns the sum of the micro-batches'
+        losses as ``loss_fn`` weighed them, as :meth:`step` does.
+
+        torch's schedules size their send and receive buffers once, from their first step, so each (count, row
+        shape) runs a stage and schedule of its own over this stage's module, built on first use (a few are kept).
+        Their first step infers the shapes with a real forward and backward and then clears the gradients of the
+        stage's FSDP2 modules; gradients already there (switched home, or an earlier bucket's) are set aside for it
+        and put back. Gradients accumulate across calls; the tied weight's copies are not summed here: call
+        :meth:`sync_tied` once, after the layout's last bucket."""
+        keywords = keywords or {}
+        key = (microbatches, tuple(ids.shape), tuple((k, tuple(v.shape)) for k, v in sorted(keywords.items())))
+        if key not in self._buckets:
+            self._buckets[key] = self._bucket_schedule(microbatches)
+            self._aside = {p: p.grad for p in self.module.parameters() if p.grad is not None}
+            for p in self._aside:
+                p.grad = None
+            while len(self._buckets) > KEPT_SCHEDULES:
+                self._buckets.pop(next(iter(self._buckets)))
+        _, schedule = self._buckets.pop(key)
+        self._buckets[key] = (_, schedule)  # the most recent last
+        losses: list[torch.Tensor] = []
+        if self.first and self.last:
+            schedule.step(ids, target=targets, losses=losses, **keywords)
+        elif self.first:
+            schedule.step(ids, **keywords)
+        elif self.last:
+            schedule.step(target=targets, losses=losses, **keywords)
+        else:
+            schedule.step(**keywords)
+        return torch.stack([as_local(loss) for loss in losses]).sum().detach() if self.last else None
+
+    def _bucket_schedule(self, microbatches: int):
+        index, pp, device, group, kind, loss = self._where
+        stage = PipelineStage(self.module, index, pp, device, group=group)
+        cleanup = stage._post_metadata_inference_cleanup
+
+        def keep_gradients():  # after torch's clean-up of the shape inference, what accumulated before it
+            cleanup()
+            for p, grad in self._aside.items():
+                p.grad = grad
+            self._aside = {}
+
+        stage._post_metadata_inference_cleanup = keep_gradients
+        if self._handed_to is not None:
+            _hand_over(stage, self._handed_to)
+        kind = kind if microbatches >= pp else "gpipe"  # 1F1B with fewer micro-batches than stages: GPipe's order
+        return stage, SCHEDULES[kind](stage, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
 
     def step(self, ids, targets) -> torch.Tensor | None:
         """Forward and backward of this data-parallel slice's rows (token ids, or any tensor, tuple or dict of
@@ -177,6 +233,28 @@ class PipelineRunner:
         else:
             schedule()
         return torch.stack([as_local(loss) for loss in losses]).sum() if self.last else None
+
+
+def _hand_over(stage: PipelineStage, optimizer) -> None:
+    """Wrap ``stage``'s backward for an offloaded optimizer (:meth:`PipelineRunner.hand_over_to`)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.stage import stage_backward
+
+    inner = stage.backward_maybe_with_nosync
+
+    def backward(backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if not last_backward:
+            with optimizer.no_sync():
+                return inner(backward_type, bwd_kwargs, last_backward)
+        if backward_type != "full" or not isinstance(stage.submod, FSDPModule):
+            return inner(backward_type, bwd_kwargs, last_backward)
+        stage.submod.set_is_last_backward(True)
+        stage.submod.set_reshard_after_backward(True)
+        stage.submod.set_requires_gradient_sync(True)
+        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                              bwd_kwargs["input_values"]), None
+
+    stage.backward_maybe_with_nosync = backward
 
 
 def _embedding_group(plan: Plan, meshes: PlanMeshes):

@@ -6,30 +6,37 @@
     ...     record = switching.step(buckets)              # SwitchStepRecord: loss, seconds, switches
     >>> switching.home                                    # the longest bucket's model: master weights, optimizer
 
-The model is built and parallelized once per strategy (``parallelize`` of a uniform plan: DDP, FSDP2, tensor
-parallel, or their mixes, on every process). The *home* strategy is the longest bucket's: its model holds the
-weights the optimizer updates and the optimizer state, all step long. A step runs the other strategies first,
-shortest buckets first, each as HotSPa does:
+The model is built and parallelized once per layout (:class:`~nbtrain.run.switching.layouts.Layout`: a uniform plan
+of DDP, FSDP2, tensor parallel or their mixes, or a pipeline of them, ``"pp=2 tp=2"``, as HotSPa's (dp, tp, pp)).
+The *home* strategy is the longest bucket's: its model holds the weights the optimizer updates and the optimizer
+state, all step long (a pipelined home: each stage its layers'). A step runs the other strategies first, shortest
+buckets first, each as HotSPa does:
 
-1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.Resharding`, planned once per pair)
-   into the layout's storage, given back for the occasion;
+1. switch the weights home → strategy (:class:`~nbtrain.run.switching.reshard.Resharding`, planned once per pair:
+   each stage's slices, a rank holding none of another stage's layers) into the layout's storage, given back for
+   the occasion;
 2. forward and backward of each of its buckets' rows (each data-parallel rank its rows, in micro-batches of
    ``micro_rows[bound]`` rows whose gradients accumulate, padded with empty rows to whole micro-batches; the
-   gradient sync of that layout once, after its last);
+   gradient sync of that layout once, after its last; a pipelined layout runs each bucket through the static
+   pipeline's runner, GPipe or 1F1B over its own micro-batches, and sums its tied embedding's two copies once,
+   after its last bucket);
 3. switch the gradients strategy → home, *added* to the home model's ``.grad``; then free the layout's weights and
    gradients (HotSPa does too: only the home layout and the one running are resident, as the planner prices it);
 
 then the home strategy's buckets (its gradient sync adds their gradients to what is there: DDP and FSDP2 reduce
 ``.grad`` plus the new local gradient, and what the switches put there is already the same on every replica), one
-clipping and one optimizer step in the home layout. The loss is the token-level mean over the whole step: each rank
+clipping (over the stages, for a pipelined home) and one optimizer step in the home layout. An offloaded home
+(``offload``, or its strategy's ``offload=``) hands the gradients to its CPU update during its last bucket's last
+backward, the switched gradients already in ``.grad`` (CoTrain's overlap, as for static plans); when no bucket runs
+at home, ``step()`` hands them over. The loss is the token-level mean over the whole step: each rank
 backpropagates ``Σ cross-entropy of its rows × dp / tokens of the step`` (DDP and FSDP2 divide by dp), so the
 gradients are those of one process over all the buckets. Strategies that differ only in checkpointing share one
 layout (one model, no switch): checkpointing is turned on and off per bucket (``set_checkpointing``). A layout's
-weights are freed by giving their storage back (``untyped_storage().resize_(0)``, as FSDP2 frees its gathered
-weights): its parameters stay the same objects, so its wrappers and the switch plans hold. DDP's own gradient
-buckets stay allocated (a DDP layout keeps one gradient-sized buffer). Each record carries the tensor memory this
-rank held at each bucket's peak (:mod:`nbtrain.run.tensor_memory`: every layout's resident weights and gradients,
-the home optimizer state, the activations saved for backward), the quantity the planner predicts.
+weights are freed by giving their storage back: its parameters stay the same objects, so its wrappers and the
+switch plans hold. DDP's own gradient buckets stay allocated (a DDP layout keeps one gradient-sized buffer). Each
+record carries the tensor memory this rank held at each bucket's peak (:mod:`nbtrain.run.tensor_memory`: every
+layout's resident weights and gradients, the home optimizer state, the activations saved for backward), the
+quantity the planner predicts.
 """
 
 from __future__ import annotations
@@ -43,23 +50,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
-from nbtrain.planner.plan import Plan
-from nbtrain.planner.strategy import Strategy
-from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
-from nbtrain.models.description import layer_slots
-from nbtrain.run.parallel.parallelize import parallelize, set_checkpointing
-from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss_context
-from nbtrain.run.placement import reset_peak_memory, synchronize, to_device
-from nbtrain.run.switching.reshard import Resharding
 from nbtrain.gradients import clip_grad_norm, group_by_kind
-from nbtrain.profiler.segments import first_tensor
+from nbtrain.planner.switching.bucket_strategy import layout_key, parse_bucket_strategy, with_layers
+from nbtrain.run.parallel.mesh import local_shard
+from nbtrain.run.parallel.parallelize import set_checkpointing
+from nbtrain.run.placement import reset_peak_memory, synchronize
+from nbtrain.run.switching.layouts import Layout
+from nbtrain.run.switching.reshard import Resharding
 from nbtrain.run.tensor_memory import SavedActivations, state_bytes
-from nbtrain.run.trainer import check_on_nonfinite, gradient_sync
+from nbtrain.run.trainer import check_on_nonfinite
 
 
 @dataclass(frozen=True)
@@ -101,74 +104,19 @@ class SwitchStepRecord:
         return max(self.bucket_tensor_bytes.values()) if self.bucket_tensor_bytes else None
 
 
-class _Layout:
-    """The model parallelized under one strategy, and what a step needs of it."""
-
-    def __init__(self, build: Callable[[], nn.Module], strategy: Strategy, seed: int, values=None):
-        torch.manual_seed(seed)
-        model = build()
-        n = len(layer_slots(model))
-        self.strategy = strategy
-        self.plan = Plan(num_devices=dist.get_world_size(), layers=(strategy,) * n)
-        self.meshes = PlanMeshes(self.plan)
-        # the step's cross-entropy is nbtrain's own: on logits split over the vocabulary under TP (vocab_parallel.py)
-        self.wrapped = parallelize(model, self.plan, self.meshes, values=values, split_logits=True)
-        self.split_logits = has_split_logits(model)
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.dp_rank = self.meshes.dp_rank(0)
-        storages = {}
-        for p in self.params:
-            storage = local_shard(p.detach()).untyped_storage()
-            storages.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
-        self._storages = list(storages.values())
-        self.resident = True
-
-    def free(self) -> None:
-        """Give the weights' storage back (their values are gone: the next switch here writes them again)."""
-        for p in self.params:
-            p.grad = None
-        for storage, _ in self._storages:
-            storage.resize_(0)
-        self.resident = False
-
-    def restore(self) -> None:
-        """Take the weights' storage again, to be written by a switch."""
-        for storage, nbytes in self._storages:
-            storage.resize_(nbytes)
-        self.resident = True
-
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a bucket (padded by the caller to a multiple of dp)."""
-        return t.chunk(self.strategy.dp)[self.dp_rank]
-
-
-def _strategy(value) -> Strategy:
-    if isinstance(value, Strategy):
-        return value
-    plan = Plan.parse(str(value), num_devices=dist.get_world_size(), num_layers=1)
-    return plan.layers[0]
-
-
-def _padded(rows: torch.Tensor, multiple: int, fill: int) -> torch.Tensor:
-    extra = -rows.shape[0] % multiple
-    if not extra:
-        return rows
-    return torch.cat([rows, rows.new_full((extra, *rows.shape[1:]), fill)])
-
-
 class HotSwitching:
     """Train with one strategy per length bucket (module docstring). ``strategies``: bound → strategy (a
-    ``Strategy`` or its text, ``"dp_shard=2"``); the largest bound's is the home. ``micro_rows``: bound → the rows of
-    one micro-batch on each rank (default: all of them at once; :meth:`BucketPlan.micro_rows`). ``build()``
-    makes the model on this process (called once per strategy, each under ``torch.manual_seed(seed)``: the same
-    initial weights). ``offload``: the home optimizer's CPU update offload
-    (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, a fraction for every layer or one per layer; the home
-    strategy then has no TP); its updates land before the next step's first switch. ``lr_schedule(step)``
+    ``Strategy``, a pipelined :class:`~nbtrain.planner.switching.bucket_strategy.BucketStrategy`, or their text,
+    ``"dp_shard=2"``, ``"pp=2 tp=2"``); the largest bound's is the home. ``micro_rows``: bound → the rows of one
+    micro-batch on each rank (default: all of them at once, in a pipeline about one micro-batch per stage;
+    :meth:`BucketPlan.micro_rows`). ``build()`` makes the model on this process (called once per layout, each under
+    ``torch.manual_seed(seed)``: the same initial weights). ``offload``: the home optimizer's CPU update offload
+    (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, a fraction for every layer or one per layer; default
+    the home strategy's ``offload``); its updates land before the next step's first switch. ``lr_schedule(step)``
     multiplies ``lr``; a step whose loss is not finite stops the run (``on_nonfinite="stop"``,
-    :class:`~nbtrain.errors.NonFiniteLossError`) or is skipped (``"skip"``) before its update. ``values``: when
-    ``build()`` makes a model on the meta device, where each layout's tensors get their values once allocated
-    (:mod:`nbtrain.run.state.materialize`)."""
+    :class:`~nbtrain.errors.NonFiniteLossError`) or is skipped (``"skip"``, not with offload) before its update.
+    ``values``: when ``build()`` makes a model on the meta device, where each layout's tensors get their values
+    once allocated (:mod:`nbtrain.run.state.materialize`)."""
 
     def __init__(self, build: Callable[[], nn.Module], strategies: Mapping[int, object], *, lr: float = 1e-3,
                  weight_decay: float = 0.0, clip_norm: float | None = None, seed: int = 0, offload=None,
@@ -177,19 +125,20 @@ class HotSwitching:
         if not strategies:
             raise InvalidArgumentError("strategies is empty: give at least one bucket bound and its strategy")
         self.bounds = sorted(strategies)
-        by_bound = {b: _strategy(strategies[b]) for b in self.bounds}
+        world = dist.get_world_size()
+        by_bound = {b: parse_bucket_strategy(strategies[b], world) for b in self.bounds}
         self.micro_rows = {b: (micro_rows or {}).get(b) for b in self.bounds}
         if any(r is not None and (not isinstance(r, int) or r < 1) for r in self.micro_rows.values()):
             raise InvalidArgumentError(f"micro_rows must be a positive number of rows per bound, got {micro_rows}")
-        # strategies that differ only in checkpointing share one layout (one model, no switch between them); it is
-        # built with checkpointing where any of them has it, turned on and off per bucket
-        layout_of = {b: dataclasses.replace(s, ac=False) for b, s in by_bound.items()}
+        # strategies that differ only in checkpointing (or in the home's offload) share one layout (one model, no
+        # switch between them); it is built with checkpointing where any of them has it, turned on and off per bucket
+        layout_of = {b: layout_key(s) for b, s in by_bound.items()}
         home = layout_of[self.bounds[-1]]
         order = list(dict.fromkeys(layout_of[b] for b in self.bounds if layout_of[b] != home)) + [home]
-        checkpointed = {key: any(s.ac for b, s in by_bound.items() if layout_of[b] == key) for key in order}
-        # the same order on every rank: building a layout is collective
-        self.layouts = {key: _Layout(build, dataclasses.replace(key, ac=checkpointed[key]), seed, values)
+        checkpointed = {key: next((s.ac for b, s in by_bound.items() if layout_of[b] == key and s.ac), False)
                         for key in order}
+        # the same order on every rank: building a layout is collective
+        self.layouts = {key: Layout(build, with_layers(key, ac=checkpointed[key]), seed, values) for key in order}
         self.strategy_of, self.layout_of = by_bound, layout_of
         self.home = self.layouts[home]
         self.device = self.home.meshes.device
@@ -200,26 +149,28 @@ class HotSwitching:
         self.takes_doc_ids = forward is not None and "doc_ids" in inspect.signature(forward).parameters
         """Whether the model keeps attention inside each packed document (``forward(ids, doc_ids=...)``, as
         nbtrain's GPT does); other models attend across the documents of a row."""
-        if offload is not None:
+        offload = by_bound[self.bounds[-1]].offload or None if offload is None else offload
+        self.offloaded = offload is not None
+        if self.offloaded:
             from nbtrain.run.offload.optimizer import OffloadedAdamW
 
-            if home.tp > 1:
-                raise InvalidArgumentError(f"offload runs with data-parallel layouts; the home strategy ({home}) "
-                                           "has tensor parallelism: choose a home without tp, or offload=None")
+            if on_nonfinite == "skip":
+                raise InvalidArgumentError("on_nonfinite='skip' cannot undo the CPU updates an offloaded home starts "
+                                           "during backward; use on_nonfinite='stop' with offload")
+            stage = self.home.plan.stage_ranges()[self.home.meshes.stage]
             self.optimizer = OffloadedAdamW.from_model(self.home.wrapped, offload, lr=lr, weight_decay=weight_decay,
-                                                       clip_norm=clip_norm, betas=betas, eps=eps)
+                                                       clip_norm=clip_norm, betas=betas, eps=eps, layers=stage)
+            if self.home.pipeline is not None:  # the norm over the stages, the tied copies handed over at step()
+                self.home.pipeline.hand_over_to(self.optimizer, self.home.pipeline_group)
         else:
-            groups = [{"params": ps} for ps in group_by_kind(self.home.params)]
+            groups = [{"params": ps} for ps in group_by_kind(self.home.trained)]
             self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                                fused=True)
-        self.offloaded = offload is not None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule) \
-            if lr_schedule is not None and not self.offloaded else None
-        if lr_schedule is not None and self.offloaded:
-            raise InvalidArgumentError("lr_schedule with an offloaded update is not supported; give one or the other")
-        self._to = {s: Resharding(self.home.params, layout.params) for s, layout in self.layouts.items()
+            if lr_schedule is not None else None
+        self._to = {s: Resharding(self.home.held, layout.held) for s, layout in self.layouts.items()
                     if layout is not self.home}
-        self._back = {s: Resharding(layout.params, self.home.params) for s, layout in self.layouts.items()
+        self._back = {s: Resharding(layout.held, self.home.gradient_targets) for s, layout in self.layouts.items()
                       if layout is not self.home}
         for layout in self.layouts.values():
             if layout is not self.home:
@@ -261,27 +212,30 @@ class HotSwitching:
                 continue
             if away:
                 layout.restore()
-                self._to[strategy].run([local_shard(p.detach()) for p in self.home.params],
-                                       [local_shard(p.detach()) for p in layout.params])
+                self._to[strategy].run(self.home.shards(), layout.shards())
                 switches.append(MeasuredSwitch("weights", str(strategy), self._to[strategy].seconds,
                                                self._to[strategy].bytes_received))
+            offloaded = self.optimizer if self.offloaded and not away else None
             for i, bucket in enumerate(mine):
                 t0 = time.perf_counter()
                 set_checkpointing(layout.model, self.strategy_of[bucket.bound].ac)
                 reset_peak_memory(self.device)
-                saved = SavedActivations(exclude=layout.params)
+                saved = SavedActivations(exclude=layout.trained)
                 with saved.hooks():
-                    loss += self._bucket(layout, bucket, tokens, last=i == len(mine) - 1, away=away)
+                    loss += layout.run(bucket, tokens=tokens, micro_rows=self.micro_rows[bucket.bound],
+                                       last=i == len(mine) - 1, keywords=self.takes_doc_ids, offloaded=offloaded)
                 synchronize(self.device)
                 seconds[bucket.bound] = time.perf_counter() - t0
                 # a GPU's allocator knows the peak; on the CPU the tensors are counted (tensor_memory.py)
                 memory[bucket.bound] = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" \
                     else self._resident_bytes() + saved.peak
             if away:
+                layout.finish()
                 self._add_gradients(strategy, layout)
                 switches.append(MeasuredSwitch("gradients", str(strategy), self._back[strategy].seconds,
                                                self._back[strategy].bytes_received))
                 layout.free()
+        self.home.finish()  # a pipelined home's tied copies: its buckets' and the switched gradients, summed once
         dist.all_reduce(loss)
         value = float(loss) / tokens
         self.steps_done += 1
@@ -293,7 +247,8 @@ class HotSwitching:
             return dataclasses.replace(record, seconds=time.perf_counter() - started, skipped=True)
         norm = None
         if self.clip_norm is not None and not self.offloaded:  # an offloaded optimizer clips itself, exactly
-            norm = clip_grad_norm(self.home.params, self.clip_norm)
+            shared = self.home.pipeline.counted_elsewhere() if self.home.pipeline is not None else ()
+            norm = clip_grad_norm(self.home.trained, self.clip_norm, self.home.pipeline_group, shared)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
@@ -306,45 +261,20 @@ class HotSwitching:
         return sum(state_bytes(layout.model, self.optimizer if layout is self.home else None)
                    for layout in self.layouts.values() if layout.resident)
 
-    def _bucket(self, layout: _Layout, bucket, tokens: int, *, last: bool, away: bool) -> torch.Tensor:
-        """This rank's rows of the bucket, in its micro-batches; the gradient sync after the layout's last one."""
-        s, r = layout.strategy, self.micro_rows[bucket.bound]
-        multiple = s.dp * (r or 1)  # every rank the same rows, in whole micro-batches (empty rows: no target)
-        parts = [layout.rows(_padded(bucket.ids, multiple, 0)), layout.rows(_padded(bucket.targets, multiple, -100))]
-        if self.takes_doc_ids and getattr(bucket, "doc_ids", None) is not None:
-            parts.append(layout.rows(_padded(bucket.doc_ids, multiple, -1)))
-        parts = to_device(parts, self.device)  # only this rank's rows travel
-        pieces = list(zip(*(t.split(r) if r else (t,) for t in parts)))
-        offloaded = self.optimizer if self.offloaded and not away else None
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for k, piece in enumerate(pieces):
-            with gradient_sync(layout.wrapped, last and k == len(pieces) - 1, offloaded):
-                total += self._forward_backward(layout, *piece, tokens=tokens)
-        return total
-
-    def _forward_backward(self, layout: _Layout, ids, targets, doc_ids=None, *, tokens: int) -> torch.Tensor:
-        """Backward of these rows' summed cross-entropy × dp / the step's tokens; returns that sum / tp (summed
-        over every rank, the step's total: each row's sum is held by its tp ranks)."""
-        s = layout.strategy
-        with loss_context(layout.split_logits):
-            output = layout.wrapped(ids) if doc_ids is None else layout.wrapped(ids, doc_ids=doc_ids)
-            logits = getattr(output, "logits", None)
-            logits = first_tensor(output) if logits is None else logits
-            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                     ignore_index=-100, reduction="sum")
-            (summed * s.dp / tokens).backward()
-        return as_local(summed.detach()).double() / s.tp
-
-    def _add_gradients(self, strategy: Strategy, layout: _Layout) -> None:
-        """Add the strategy's (synced) gradients into the home model's ``.grad``, then drop them."""
-        for p in self.home.params:
+    def _add_gradients(self, strategy, layout: Layout) -> None:
+        """Add the layout's (synced) gradients into the home model's ``.grad``, then drop them."""
+        for p in self.home.trained:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = []
-        for p in layout.params:
+        for p in layout.held:
+            if p is None:  # another stage's parameter
+                grads.append(None)
+                continue
             g = torch.zeros_like(p) if p.grad is None else p.grad  # a parameter no bucket used moves zeros
             if isinstance(g, DTensor) and g.placements != p.placements:
                 # tensor parallel leaves some gradients Partial (each rank a share of the sum): sum them first
                 g = g.redistribute(p.device_mesh, p.placements)
             grads.append(local_shard(g))
-        self._back[strategy].run(grads, [local_shard(p.grad) for p in self.home.params], add=True)
+        self._back[strategy].run(grads, self.home.shards([None if p is None else p.grad
+                                                          for p in self.home.gradient_targets]), add=True)

@@ -26,8 +26,8 @@ from nbtrain.checks import positive_int
 from nbtrain.data import as_documents, mean_bucket_rows, power_of_two_bounds
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.models.adapters import detect_family
-from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy
+from nbtrain.planner.switching.bucket_strategy import parse_bucket_strategy, pp_of
 from nbtrain.planner.switching.bucket_search import SwitchingCostModel
 from nbtrain.planner.switching.buckets import (BucketOptions, BucketPlan, MAX_BUCKETS, StaticPlan, plan_buckets,
                                               price_buckets)
@@ -48,8 +48,8 @@ SMALLEST_BOUND = 256
 class DocumentPlan:
     """How a run over variable-length documents is laid out."""
 
-    strategies: dict[int, Strategy]
-    """Bucket bound → strategy (the longest is the home)."""
+    strategies: dict
+    """Bucket bound → strategy (a Strategy, or a pipelined BucketStrategy; the longest is the home)."""
     micro_rows: dict[int, int | None]
     """Bucket bound → rows per micro-batch on each rank (None: all at once)."""
     tokens_per_step: int
@@ -69,7 +69,7 @@ class DocumentPlan:
         return sorted(self.strategies)
 
     @property
-    def home(self) -> Strategy:
+    def home(self):
         return self.strategies[self.bounds[-1]]
 
     def describe(self) -> str:
@@ -101,16 +101,11 @@ def default_bounds(model: nn.Module, lengths: list[int]) -> list[int]:
     return power_of_two_bounds(lengths, smallest=smallest, largest=largest)[-MAX_BUCKETS:]
 
 
-def given_strategies(plan, bounds: list[int], num_processes: int, num_layers: int) -> dict[int, Strategy]:
-    """A user's plan for the buckets: ``{bound: strategy}`` (text or Strategy), or one strategy for all."""
-    def parsed(value) -> Strategy:
-        if isinstance(value, Strategy):
-            return value
-        found = Plan.parse(str(value), num_devices=num_processes, num_layers=num_layers)
-        if found.pp > 1 or len(set(found.layers)) > 1:
-            raise InvalidArgumentError(f"plan {value!r}: a bucket runs one strategy for every layer and no pipeline; "
-                                       "give one strategy such as 'dp_shard=2' or 'tp=2 ac'")
-        return found.layers[0]
+def given_strategies(plan, bounds: list[int], num_processes: int) -> dict:
+    """A user's plan for the buckets: ``{bound: strategy}`` (text, a Strategy or a pipelined BucketStrategy:
+    ``"tp=2"``, ``"pp=2 dp_replicate=2"``), or one strategy for all."""
+    def parsed(value):
+        return parse_bucket_strategy(value, num_processes)
 
     if isinstance(plan, dict):
         if not plan:
@@ -133,11 +128,11 @@ def plan_documents(model: nn.Module, documents, *, num_processes: int, plan=None
     docs = as_documents(documents)
     positive_int(num_processes, f"num_processes must be a positive integer, got {num_processes!r}")
     if isinstance(plan, dict):
-        given = given_strategies(plan, [], num_processes, 1)
+        given = given_strategies(plan, [], num_processes)
         bounds = sorted(given)
     else:
         bounds = sorted(bounds) if bounds is not None else default_bounds(model, [len(d) for d in docs])
-        given = None if plan is None else given_strategies(plan, bounds, num_processes, 1)
+        given = None if plan is None else given_strategies(plan, bounds, num_processes)
     tokens_per_step = tokens_per_step or 8 * bounds[-1]
     positive_int(tokens_per_step, f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")
     rows = mean_bucket_rows(docs, tokens_per_step=tokens_per_step, bounds=bounds, seed=seed)
@@ -172,16 +167,17 @@ def plan_documents(model: nn.Module, documents, *, num_processes: int, plan=None
 @dataclass(frozen=True)
 class LongestBucketNeeds:
     """What the longest bucket needs per device, at the most micro-batches (one row each): the least under any
-    strategy, and the least without tensor parallelism or checkpointing."""
+    strategy, and the least without tensor parallelism, checkpointing, a pipeline or offload."""
 
     least: float
-    leanest: Strategy
+    leanest: object
+    """The strategy that needs the least (a Strategy, or a pipelined BucketStrategy)."""
     plain: float
     plain_strategy: Strategy
 
     def __str__(self) -> str:
         return (f"the longest bucket needs {format_bytes(self.least)} per device at the least ('{self.leanest}'), "
-                f"{format_bytes(self.plain)} without TP or checkpointing ('{self.plain_strategy}')")
+                f"{format_bytes(self.plain)} without TP, checkpointing, a pipeline or offload ('{self.plain_strategy}')")
 
 
 def longest_bucket_needs(model: nn.Module, documents, *, num_processes: int, tokens_per_step: int | None = None,
@@ -200,7 +196,7 @@ def longest_bucket_needs(model: nn.Module, documents, *, num_processes: int, tok
     costs = SwitchingCostModel(_profile(model, cluster, bounds[-1]), cluster, None, BucketOptions())
     need = costs.home_memory(costs.bucket(*rows[-1])).min(axis=0)  # each strategy at its most micro-batches
     j = int(need.argmin())
-    plain = [k for k, s in enumerate(costs.space) if s.tp == 1 and not s.ac]
+    plain = [k for k, s in enumerate(costs.space) if s.tp == 1 and not s.ac and pp_of(s) == 1 and not s.offload]
     p = min(plain, key=lambda k: need[k])
     return LongestBucketNeeds(float(need[j]), costs.space[j], float(need[p]), costs.space[p])
 

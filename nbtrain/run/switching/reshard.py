@@ -15,6 +15,10 @@ holds the slice already (a local copy), else, among the holders, the one that ha
 (balancing replicated sources). All slices from one rank to another travel as one flat buffer; all of a rank's
 sends and receives of a run are posted together with ``batch_isend_irecv``. The plan is the same on every rank
 (computed from the same boxes in the same order) and is cached by the caller per (from, to) pair.
+
+A pipelined layout holds each tensor only on the ranks of its stage: elsewhere the tensor is given as ``None``, a
+rank with no box of it (no slice to send from, none to receive into). A tied embedding held by the first and the
+last stage has two holders of the same values, and is a source on both.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ Box = tuple[tuple[int, int], ...]
 """Per dimension ``(start, stop)`` of a tensor's global index space."""
 
 
-def local_box(t: torch.Tensor) -> Box:
-    """The part of the global tensor this rank holds: a DTensor's local shard, or all of a plain tensor."""
+def local_box(t: torch.Tensor | None) -> Box | None:
+    """The part of the global tensor this rank holds: a DTensor's local shard, all of a plain tensor, or None (this
+    rank holds none of it: another pipeline stage's)."""
+    if t is None:
+        return None
     if isinstance(t, DTensor):
         if any(placement.is_partial() for placement in t.placements):
             raise ValueError(f"a Partial DTensor ({t.placements}) holds a share of a sum on each rank, not a slice: "
@@ -81,12 +88,14 @@ class _Move:
 class Resharding:
     """Which slices of which tensors each rank keeps, sends and receives to go from one layout to another.
 
-    ``src`` and ``dst``: the same tensors (same global shapes, same order) in the two layouts. Collective over
-    ``group`` (default: the world), which must hold every rank of both layouts."""
+    ``src`` and ``dst``: the same tensors (same global shapes, same order) in the two layouts, None where this rank
+    holds none (module docstring). Collective over ``group`` (default: the world), which must hold every rank of
+    both layouts."""
 
     def __init__(self, src, dst, group=None):
         src, dst = list(src), list(dst)
-        if len(src) != len(dst) or any(a.shape != b.shape for a, b in zip(src, dst)):
+        if len(src) != len(dst) or any(a is not None and b is not None and a.shape != b.shape
+                                       for a, b in zip(src, dst)):
             raise ValueError("the two layouts must hold the same tensors, in the same order, with the same shapes")
         self.group = group
         self.rank = dist.get_rank(group)
@@ -105,8 +114,10 @@ class Resharding:
         sent = [0] * world
         moves = []
         for i in range(count):
-            holders = [(r, self.src_boxes[r][i]) for r in range(world)]
+            holders = [(r, self.src_boxes[r][i]) for r in range(world) if self.src_boxes[r][i] is not None]
             for dst in range(world):
+                if self.dst_boxes[dst][i] is None:
+                    continue
                 for cell in _cells(self.dst_boxes[dst][i], [box for _, box in holders]):
                     owners = [r for r, box in holders if _intersect(box, cell) == cell]
                     if not owners:
@@ -135,7 +146,10 @@ class Resharding:
                 outgoing.setdefault(m.dst, []).append(m)
             elif m.dst == self.rank:
                 incoming.setdefault(m.src, []).append(m)
-        dtype, device = dst[0].dtype, dst[0].device
+        held = next((t for t in dst if t is not None), None)
+        if held is None:  # this rank receives nothing (it still sends its slices)
+            held = next(t for t in src if t is not None)
+        dtype, device = held.dtype, held.device
         ops, buffers = [], {}
         for peer, moves in sorted(outgoing.items()):
             flat = torch.cat([src[m.tensor][_slices(m.cell, src_origin[m.tensor])].reshape(-1) for m in moves])

@@ -9,7 +9,9 @@ Every worker makes the same batches (:func:`nbtrain.data.length_batches`, seeded
 every process and on every resume); step ``k`` is the ``k``-th batch whatever the strategies, so a run resumed
 under other strategies, or another home layout, goes on with the batch the saved run would have taken. A
 checkpoint holds the home layout's weights and optimizer state (:mod:`nbtrain.run.state.checkpoint`, as for any
-plan); the other layouts hold nothing between steps.
+plan; a pipelined home, each stage its layers); the other layouts hold nothing between steps. A home strategy with
+``offload`` runs its update on the CPU (:class:`~nbtrain.run.offload.optimizer.OffloadedAdamW`, overlapped with the
+home's last bucket's backward).
 """
 
 from __future__ import annotations
@@ -72,12 +74,11 @@ def train_documents(model: nn.Module, job: DocumentsJob):
     from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
     from nbtrain.run.state.training_state import TrainingState
     from nbtrain.run.state.materialize import FromModel, Initialize, has_meta, meta_twin
-    from nbtrain.run.state.weights import gather_trained, layer_prefixes
+    from nbtrain.run.state.weights import gather_trained, trained_prefixes
     from nbtrain.run.switching.hot import HotSwitching
 
     torch.manual_seed(job.seed)
     set_training(model)
-    mine = layer_prefixes(model)
     # each layout is a meta twin of the model, filled from it (or initialised, for a model built on meta)
     values = Initialize(job.seed) if has_meta(model) else FromModel(model)
     switching = HotSwitching(lambda: meta_twin(model), job.strategies, micro_rows=job.micro_rows, values=values,
@@ -85,6 +86,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
                              betas=job.betas, eps=job.eps, lr_schedule=job.lr_schedule,
                              on_nonfinite=job.on_nonfinite)
     home = switching.home
+    mine = trained_prefixes(model, home.plan, home.meshes.stage)  # a pipelined home: this stage's layers
     state = TrainingState(home.wrapped, switching.optimizer, mine)
     records, details = [], []
     if job.resume_from is not None:
