@@ -52,8 +52,10 @@ brackets, what nbtrain reserves besides on a GPU (CUDA context, NCCL buffers, 10
 What nbtrain does not model and these runs had (``bench/RESULTS.md`` has the arithmetic for each row):
 torch.compile, which fuses the memory-bound ops nbtrain prices one eager kernel each (the "memory-bound" column is
 the most it could remove) and, with the chunked loss, never holds fp32 logits; FSDP2's CPU offload of parameters and
-gradients (nbtrain's offload moves the optimizer update only); bf16 optimizer state (nbtrain keeps an fp32 master);
-and the host's AdamW rate on a DGX A100, which the catalog prices at a conservative one thread a socket, not measured.
+gradients (nbtrain's offload moves the optimizer update only); bf16 optimizer state (nbtrain keeps an fp32 master:
+its host update moves 28 bytes a parameter where torchtune's moves 14). The host's AdamW rate on a DGX A100 is the
+catalog's (``DGX_A100_ADAMW``, issue 45: its memory bandwidth over 28 bytes a parameter, 10.6 G params/s a node;
+2.8 before, one thread a socket), derived from the host's datasheets and a STREAM measurement, not from this table.
 """
 
 from __future__ import annotations
@@ -245,7 +247,9 @@ def main() -> None:
                          f"{cluster.cpu_optimizer_rate / 1e9:.1f} G params/s a node, updates {trained / 1e9:.1f} B "
                          f"in {trained / cluster.cpu_optimizer_rate:.1f} s; the published step "
                          f"({published_step:.1f} s) less nbtrain's GPU part ({gpu_part:.1f} s) leaves "
-                         f"{left:.1f} s for it: {trained / left / 1e9:.1f} G params/s")
+                         f"{left:.1f} s for it: {trained / left / 1e9:.1f} G params/s; torchtune's update, in bf16, "
+                         f"moves 14 bytes a parameter to nbtrain's 28: bound by the same memory, "
+                         f"{trained / cluster.cpu_optimizer_rate / 2:.1f} s")
         if (run.model, run.method, run.gpu) in recommended:
             continue
         recommended.add((run.model, run.method, run.gpu))

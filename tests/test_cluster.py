@@ -118,6 +118,22 @@ def test_the_500w_h100s_figures_are_what_the_cost_model_prices_of_torchtitans_8b
     assert published.tokens_per_s / 8 == pytest.approx(5762, rel=0.002)
 
 
+def test_a_dgx_a100s_host_updates_adamw_as_fast_as_its_memory_allows_and_other_hosts_keep_one_thread_a_socket():
+    """By hand (catalog.py's sources): nbtrain's executor gives each of a DGX A100's 8 ranks its 16 cores less one
+    for the offloaded update, 120 threads, which at 1.4 G params/s a thread could update 168 G params/s; the
+    host's memory sustains 2 × 148 GB/s (STREAM on one socket of a DGX A100's EPYC 7742s, doubled) and AdamW with
+    an fp32 master moves 28 bytes a parameter: 296e9 / 28 = 10.57 G params/s a node. Hosts without a sourced
+    bandwidth keep 1.4 G params/s a socket, 2.8 a two-socket node."""
+    from nbtrain.profiler.catalog import host_adamw_rate
+
+    assert Cluster.from_catalog("A100-80GB", 8).cpu_optimizer_rate == pytest.approx(296e9 / 28, rel=1e-12)
+    assert Cluster.from_catalog("A100-40GB", 8).cpu_optimizer_rate == pytest.approx(10.571e9, rel=1e-4)
+    assert host_adamw_rate(120, 296e9) == pytest.approx(296e9 / 28)       # the memory binds
+    assert host_adamw_rate(2, 296e9) == pytest.approx(2.8e9)             # two threads: the threads bind
+    for name in ("V100", "H100", "H100-500W", "H200"):
+        assert Cluster.from_catalog(name, 8).cpu_optimizer_rate == pytest.approx(2 * 1.4e9)
+
+
 def test_device_memory_is_what_the_runtime_sees():
     assert Cluster.from_catalog("H100").device_memory == 80 * GiB
     assert 139 * GiB <= Cluster.from_catalog("H200").device_memory <= 141 * GiB  # nvidia-smi: 143771 MiB

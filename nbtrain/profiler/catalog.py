@@ -19,9 +19,43 @@ GiB, MiB, GB, TFLOPS = 2**30, 2**20, 1e9, 1e12
 PCIE_GEN3, PCIE_GEN4, PCIE_GEN5 = 12 * GB, 25 * GB, 50 * GB
 # InfiniBand line rates in bytes/s: EDR 100, HDR 200, NDR 400 Gb/s (one NIC per GPU on DGX A100/H100/H200).
 IB_EDR, IB_HDR, IB_NDR = 100e9 / 8, 200e9 / 8, 400e9 / 8
-# STACK.md: AdamW(fused=True) updates ~1.4 G params/s on ONE thread (100–200 M params). We count that per
-# socket: conservative, since more threads scale it until memory bandwidth (~28 B/param, REFERENCE.md) bounds it.
-ADAMW_PER_SOCKET = 1.4e9
+# STACK.md: AdamW(fused=True) updates ~1.4 G params/s on ONE thread (100–200 M params). Where no source gives a
+# host's sustained memory bandwidth we count that per socket: conservative, since more threads scale it until memory
+# bandwidth bounds it.
+ADAMW_PER_THREAD = ADAMW_PER_SOCKET = 1.4e9
+# AdamW with an fp32 master reads a parameter, its fp32 gradient and two moments and writes back three: 28 bytes a
+# parameter (REFERENCE.md), what a fused AdamW step moves and what Cluster.detect()'s cpu_adamw measures. Given the
+# threads, a host updates no faster than its sustained memory bandwidth over 28 bytes.
+ADAMW_BYTES = 28
+
+
+def host_adamw_rate(threads: int, sustained_bandwidth: float) -> float:
+    """AdamW parameters a node updates a second when the update runs on ``threads`` threads of a host whose memory
+    sustains ``sustained_bandwidth`` bytes/s: no faster than the threads (STACK.md's 1.4 G params/s each) nor than
+    the memory (28 bytes a parameter).
+
+        >>> round(host_adamw_rate(120, 2 * 148e9) / 1e9, 2)     # a DGX A100, below: memory-bound
+        10.57
+    """
+    return min(threads * ADAMW_PER_THREAD, sustained_bandwidth / ADAMW_BYTES)
+
+
+# The host of a DGX A100 (issue 45): two AMD EPYC 7742 of 64 cores each and 1 TB of DDR4 (NVIDIA's DGX A100
+# datasheet; Microway's "DGX A100 review": "Dual 64-core AMD EPYC 7742 CPUs", "1TB DDR4 system memory (upgradeable
+# to 2TB)"), eight channels of DDR4-3200 a socket (AMD's EPYC 7742 page: 204.8 GB/s a socket). Sustained: STREAM on a
+# DGX A100's CPU reaches 148 GB/s on 32 cores of one socket (a public measurement,
+# gist.github.com/v0dro/0559e1d9b205ca9ac0ad1a29fe10377b, GOMP_CPU_AFFINITY=0-63:2; 72% of the socket's 204.8), so
+# 2 x 148 GB/s a node. nbtrain's executor gives a rank's offloaded update the rank's cores less one
+# (run/offload/threads.py: 8 ranks on 128 cores, 15 threads each, 120 a node, 60 a socket where STREAM used 32;
+# with SMT on, 31 each).
+# 120 threads could update 168 G params/s; the memory allows 2 x 148 GB/s / 28 B = 10.6 G params/s a node. Not in
+# the rate, as not in what detect() measures: the executor's other host traffic around the step (the bf16 gradient
+# widened to fp32, 6 bytes a parameter; the fp32 weights read for the upload, 4; with clipping, the state copied
+# before a speculative update, 24), and NUMA: the executor pins neither threads nor memory (DGX A100 runs NPS4).
+# The other hosts (DGX-1, DGX H100/H200, Grand Teton, the PCIe boxes) keep the one-thread-a-socket figure: no
+# sustained-bandwidth figure for them was found (DGX H100's 32 DIMMs on 16 channels run at 2 a channel, below the
+# 8480C's DDR5-4800 rating, by how much not found).
+DGX_A100_ADAMW = host_adamw_rate(8 * (128 // 8 - 1), 2 * 148 * GB)
 
 
 def local_memory() -> int:
@@ -150,12 +184,13 @@ CATALOG: dict[str, DeviceSpec] = {
                        2 * ADAMW_PER_SOCKET, memory_bandwidth=0.9 * TB, **_KERNEL_FLOORS, dtype="fp16",
                        inter_link="InfiniBand EDR"),
     # A100 SXM4 datasheet: 312 TFLOP/s bf16 dense, NVLink3 600 GB/s both ways, PCIe Gen4.
-    # DGX A100: 8× HDR (one per GPU), 2 sockets; 1 TB RAM with 40 GB GPUs, 2 TB with 80 GB GPUs.
+    # DGX A100: 8× HDR (one per GPU), 2 sockets; 1 TB RAM with 40 GB GPUs, 2 TB with 80 GB GPUs; the host's AdamW
+    # rate is bounded by its memory (DGX_A100_ADAMW above).
     "A100-40GB": DeviceSpec(40 * GiB, 312 * TFLOPS, 600 * GB / 2, IB_HDR, 1024 * GiB, PCIE_GEN4,
-                            2 * ADAMW_PER_SOCKET, flops_efficiency=271.2 / 312, memory_bandwidth=1.555 * TB,
+                            DGX_A100_ADAMW, flops_efficiency=271.2 / 312, memory_bandwidth=1.555 * TB,
                             attention_efficiency=0.5, **_KERNEL_FLOORS, inter_link="InfiniBand HDR"),
     "A100-80GB": DeviceSpec(80 * GiB, 312 * TFLOPS, 600 * GB / 2, IB_HDR, 2048 * GiB, PCIE_GEN4,
-                            2 * ADAMW_PER_SOCKET, flops_efficiency=271.2 / 312, memory_bandwidth=2.039 * TB,
+                            DGX_A100_ADAMW, flops_efficiency=271.2 / 312, memory_bandwidth=2.039 * TB,
                             attention_efficiency=0.5, **_KERNEL_FLOORS, inter_link="InfiniBand HDR"),
     # H100 SXM5 datasheet: 1,979 TFLOP/s bf16 with sparsity, 989.4 dense (Hopper whitepaper), NVLink4 900 GB/s
     # both ways, PCIe Gen5.
