@@ -331,8 +331,8 @@ def compare_schedules(runs: dict) -> Row:
 # -- parts 5 and 6: correctness ------------------------------------------------------------------------------------
 
 def reference_losses(model, data, steps: int) -> list[float]:
-    """Plain PyTorch on the CPU, with the optimizer ``fit`` builds by default (read from its signature)."""
-    default = {k: p.default for k, p in inspect.signature(nbtrain.fit).parameters.items()}
+    """Plain PyTorch on the CPU, with the optimizer ``fit`` builds by default (read from ``nbtrain.Optimizer()``)."""
+    default = asdict(nbtrain.Optimizer())
     decay_1d = default["decay_norms_and_biases"]
     groups = [{"params": [p for p in model.parameters() if p.ndim >= 2 or decay_1d]},
               {"params": [p for p in model.parameters() if p.ndim < 2 and not decay_1d], "weight_decay": 0.0}]

@@ -445,6 +445,14 @@ model = llama()                          # a transformers Llama of its default c
 batches = [(ids % 128, targets % 128) for ids, targets in batches]
 held_out = batches[-1:]
 ''',
+    "nbtrain.run.state.adapter_folder": BATCHES + '''
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+from tests.any_models import llama, lora_llama
+lora_model = lora_llama()                # peft's LoRA on a transformers Llama of its default config, small
+base = llama()                           # the same base, untouched, for PeftModel.from_pretrained
+batches = [(ids % 128, targets % 128) for ids, targets in batches]
+''',
     "nbtrain.run.switching.training": LENGTH_MIX + 'from nbtrain.run.launch.workers import launch\n',
     "nbtrain.run.fit_documents": LENGTH_MIX,
     "nbtrain.run.switching.planned.longest_bucket_needs": LENGTH_MIX,

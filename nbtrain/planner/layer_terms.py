@@ -101,7 +101,7 @@ class LayerTerms:
     def _fused_norm(self, index: int, quantity: str) -> float:
         """What the model's fused norms save on layer ``index`` against the norms its profile traced, per token
         (``saved``, ``memory_fwd``, ``memory_bwd``: bytes) or per call (``kernels_fwd``, ``kernels_bwd``); 0 unless
-        the profile declares them (``profile(..., fused_norm=True)``, :func:`~nbtrain.models.planner_facts.
+        the profile declares them (``profile(..., fused_norm=True)``, :func:`~nbtrain.profiler.fused_norm.
         fused_norm_facts`). A fused RMSNorm (torchtitan's Triton kernel, torch's CUDA ``_fused_rms_norm``) saves its
         input in the compute dtype and one fp32 rstd a token, where ``nn.RMSNorm`` traced on a CPU saves the input
         upcast to fp32 and the fp32 normalised value: in bf16, 2h + 4 bytes a token against 8h + 4, 6h less per

@@ -28,7 +28,8 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family, set_training
 from nbtrain.models.description import describe, slot_module
-from nbtrain.models.planner_facts import fused_norm_facts, planner_facts
+from nbtrain.models.planner_facts import planner_facts
+from nbtrain.profiler.fused_norm import fused_norm_facts
 from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.routing import why_not_traced
@@ -218,7 +219,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
     its RMSNorms over the hidden state run as one fused kernel each (torchtitan's ``norm_type = "fused_rmsnorm"``,
     Apex's ``FusedRMSNorm``), which saves only the norm's input and one number a token and reads and writes each
     tensor once: the profile keeps, per layer, what that saves against the norms it traced
-    (``arch["fused_norm"]``, :func:`nbtrain.models.planner_facts.fused_norm_facts`), and the planner prices it.
+    (``arch["fused_norm"]``, :func:`nbtrain.profiler.fused_norm.fused_norm_facts`), and the planner prices it.
     """
     started = time.perf_counter()
     label, model = resolve_model(model, name)
