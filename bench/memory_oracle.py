@@ -6,8 +6,8 @@ torch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) coun
 allocates on a device, by kind, under ``FakeTensorMode`` with the fake process group at the real world size, so a
 step of 8 or 64 ranks is counted in this one process without memory: rank 0 stands for every rank (an FSDP plan
 gives them all the same shapes). The step is nbtrain's own: its ``parallelize`` of the model under each plan, a
-forward, ``lm_loss`` and backward of each micro-batch as the trainer runs them (gradients synced at the last), and
-an AdamW step, twice (the second is counted: the optimizer state exists by then). The prediction is
+forward, ``lm_loss`` and backward of each micro-batch as the trainer runs them, and an AdamW step, counted once
+with AdamW's state already made (a run's second step). The prediction is
 ``nbtrain.estimate`` on the same plan for H100s, less the "reserved" column (CUDA context and NCCL buffers, which
 the tracker does not see). ``tests/test_memory_oracle.py`` holds the planner to it within 10%, through
 :func:`counted` and :func:`predicted` here.
@@ -31,7 +31,6 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import nbtrain  # noqa: E402
@@ -42,6 +41,7 @@ from nbtrain.profiler.model import lm_loss  # noqa: E402
 from nbtrain.profiler.trace import call_model  # noqa: E402
 from nbtrain.run.parallel.mesh import PlanMeshes  # noqa: E402
 from nbtrain.run.parallel.parallelize import parallelize  # noqa: E402
+from nbtrain.run.fit_worker import mixed_precision  # noqa: E402
 from nbtrain.run.trainer import gradient_sync  # noqa: E402
 from nbtrain.table import Table  # noqa: E402
 from nbtrain.units import format_bytes  # noqa: E402
@@ -84,6 +84,18 @@ def frozen_llama() -> nn.Module:
     return model
 
 
+def llama_7b() -> nn.Module:
+    """A transformers ``LlamaForCausalLM`` of Llama-2-7B's shape (``LlamaConfig()``'s defaults: 32 layers, width
+    4096, MLP 11,008, 32 heads, vocabulary 32,000; 6.74 B parameters), untied head. Built on meta (fake tensors in
+    its place when counted): nothing is allocated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False))
+
+
+llama_7b.meta_first = True
+
+
 @contextmanager
 def fake_world(world: int):
     """The fake process group at ``world`` ranks, this process rank 0; destroyed on the way out."""
@@ -110,40 +122,67 @@ def predicted(plan: Plan, profile) -> tuple[float, dict]:
 
 PRECISIONS = {
     "fp32": "fp32",
-    "bf16 autocast": "bf16 as fit runs it: fp32 weights, the step under torch.autocast (trainer.py)",
-    "bf16 FSDP2": "bf16 as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) runs it (torchtitan's)",
+    "bf16": "bf16 as fit runs it (issue 45): FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) where "
+            "it wraps every layer, as torchtitan runs FSDP plans; autocast elsewhere (fit_worker.mixed_precision)",
+    "bf16 autocast": "bf16 as fit ran it before issue 45: fp32 weights, the step under torch.autocast",
 }
 
 
-def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int, precision: str = "fp32") -> tuple[float, dict]:
+class PeakTracker(FSDPMemTracker):
+    """``FSDPMemTracker`` keeping only the step's peak per device, not every module's: its count is the same tensor
+    by tensor (:meth:`_update_peak_stats` runs after every op; torch's walks every tracked module each time, 40% of a
+    7B step's counting here, most of it in ``CheckpointWrapper.__getattr__``), and the module-wise snapshots
+    (``display_modulewise_snapshots``) are left empty. ``FSDPMemTracker`` itself still says where a peak is."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                self._peak_mem[dev] = dev_snap["Total"]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state made as its first step makes it (a step on zero gradients), so the tracker counts it from the
+    start and one step is the second step of a run, without a first forward and backward to count."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def counted(build: Callable[[], nn.Module], plan: Plan, vocab: int, precision: str = "fp32",
+            tracker_type: type = PeakTracker) -> tuple[float, dict]:
     """``FSDPMemTracker``'s peak per device of nbtrain's step of ``build()`` under ``plan``, and its parts by kind
-    (call inside :func:`fake_world` at the plan's device count). ``precision``: one of :data:`PRECISIONS`."""
+    (call inside :func:`fake_world` at the plan's device count). ``precision``: one of :data:`PRECISIONS`.
+    The step counted is a run's second (AdamW's state made before it: :func:`_optimizer_state`); the micro-batches
+    and their gradient sync are the trainer's (:func:`nbtrain.run.trainer.gradient_sync`)."""
     meshes = PlanMeshes(plan)  # outside the fake mode: making the groups reads real tensors
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if precision == "bf16 FSDP2" else None
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16 autocast")
-    if getattr(build, "meta_first", False):  # peft cannot make its adapters among fake tensors: build on meta
+    policy = mixed_precision(plan, "bf16") if precision == "bf16" else None  # fit's choice, and its trainer's:
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16 autocast" or  # autocast
+                              precision == "bf16" and policy is None)  # where FSDP2 does not cast
+    meta_first = getattr(build, "meta_first", False)
+    if meta_first:  # peft cannot make its adapters among fake tensors, and a 7B model builds faster on meta
         with torch.device("meta"):
             built = build()
-    with FakeTensorMode(allow_non_fake_inputs=getattr(build, "meta_first", False)):
-        if getattr(build, "meta_first", False):
+    with FakeTensorMode(allow_non_fake_inputs=meta_first):
+        if meta_first:
             built.to_empty(device="cpu")  # fake tensors in place of the meta ones
         else:
             built = build()
         model = parallelize(built, plan, meshes, mixed_precision=policy)
         kwargs = detect_family(model).forward_kwargs
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        _optimizer_state(optimizer)
         ids = torch.randint(0, vocab, (plan.global_batch // plan.num_devices, plan.seq_len))
-        tracker = FSDPMemTracker(model, optimizer)
+        tracker = tracker_type(model, optimizer)
         tracker.track_inputs((ids,))
         with tracker:
-            for _ in range(2):
-                for i, rows in enumerate(ids.chunk(plan.microbatches)):  # as the trainer: gradients synced at the
-                    with gradient_sync(model, i == plan.microbatches - 1), autocast:  # last micro-batch only
-                        lm_loss(call_model(model, rows, kwargs), rows).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                tracker.reset_mod_stats()
+            for i, rows in enumerate(ids.chunk(plan.microbatches)):  # as the trainer: every micro-batch's
+                with gradient_sync(model, i == plan.microbatches - 1), autocast:  # sync, all-reduce at the last
+                    lm_loss(call_model(model, rows, kwargs), rows).backward()
+            optimizer.step()
+            optimizer.zero_grad()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_kind = {str(kind).rsplit(".", 1)[-1].lower(): nbytes for kind, nbytes in peak.items() if nbytes}
     return by_kind.pop("total"), by_kind

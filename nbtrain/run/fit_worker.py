@@ -120,8 +120,9 @@ def prepare(model, plan: Plan, run: RunSettings, example_inputs=None) -> Prepare
     mine = trained_prefixes(model, plan, meshes.stage)
     example = example_microbatch(example_inputs, plan, meshes.dp_rank(0)) \
         if plan.pp > 1 and example_inputs is not None else None
+    policy = mixed_precision(plan, run.precision)
     model = parallelize(model, plan, meshes, tp_plan=run.tp_plan, example=example, values=values,
-                        split_logits=takes_vocab_parallel_loss(plan, run.loss_fn))
+                        split_logits=takes_vocab_parallel_loss(plan, run.loss_fn), mixed_precision=policy)
     if run.weights is not None:  # each rank reads the part it holds
         load_weights(model, run.weights, mine)
     materialized = peak_memory(meshes.device)
@@ -152,8 +153,26 @@ def prepare(model, plan: Plan, run: RunSettings, example_inputs=None) -> Prepare
         optimizer = torch.optim.AdamW(decay_groups(by_mesh(model), run.adamw), lr=run.lr, betas=betas, eps=eps,
                                       fused=True)
     trainer = Trainer(model, plan, meshes, optimizer, loss_fn=run.loss_fn, clip_norm=run.clip_norm,
-                      lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite)
+                      lr_schedule=run.lr_schedule, precision=run.precision, on_nonfinite=run.on_nonfinite,
+                      fsdp_casts=policy is not None)
     return Prepared(model, plan, meshes, mine, values, optimizer, trainer, materialized)
+
+
+def mixed_precision(plan: Plan, precision: str):
+    """FSDP2's bf16 policy where it wraps every layer (torchtitan's: bf16 weights gathered and computed, gradients
+    reduced in fp32 into the fp32 master shards), what the planner prices for bf16; None elsewhere, where the
+    trainer's autocast computes in bf16 over the fp32 weights: DDP, pipelines, a layer FSDP2 does not wrap (its fp32
+    weights would meet the policy's bf16 inputs), spread experts (outside FSDP2's groups), offloaded updates (their
+    gradients cross in their own dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from nbtrain.run.parallel.parallelize import is_plain_data_parallel
+
+    wrapped = plan.pp == 1 and not is_plain_data_parallel(plan) and all(
+        s.dp > 1 and s.ep == 1 and s.offload == 0 for s in plan.layers)
+    if precision != "bf16" or not wrapped:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def fit_worker(model, plan: Plan, get_batch, run: RunSettings):

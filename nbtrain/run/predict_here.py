@@ -57,11 +57,11 @@ def predict_here(model: nn.Module, plan: Plan, cluster: Cluster, *, num_processe
     cluster = narrowed(cluster, num_processes)
     workload = dict(seq_len=seq_len, inputs=inputs, loss_fn=None if inputs is None else loss_fn, tp_plan=tp_plan)
     timed = cluster.source != "catalog" and not has_meta(model)
+    dtype = "bf16" if precision == "bf16" else "fp32"  # what the workers compute in, and hold their copies in
     if timed and cluster.device == "cpu":
-        prof = timed_profile(model, batch_size=per_device_batch(plan), **workload)
+        prof = timed_profile(model, batch_size=per_device_batch(plan), dtype=dtype, **workload)
     elif timed and in_this_process and torch.cuda.is_available():
-        prof = timed_profile(model, batch_size=per_device_batch(plan), device="cuda",
-                             dtype="bf16" if precision == "bf16" else "fp32", **workload)
+        prof = timed_profile(model, batch_size=per_device_batch(plan), device="cuda", dtype=dtype, **workload)
     else:
-        prof = profile(model, batch_size=1, dtype="fp32", **workload)
+        prof = profile(model, batch_size=1, dtype=dtype, **workload)
     return estimate(plan, prof, cluster, options=options)

@@ -151,7 +151,7 @@ class Trainer:
     def __init__(self, model: nn.Module, plan: Plan, meshes: PlanMeshes, optimizer: torch.optim.Optimizer, *,
                  loss_fn: Callable = lm_loss, clip_norm: float | None = None,
                  lr_schedule: Callable[[int], float] | None = None, precision: str = "fp32",
-                 on_nonfinite: str = "stop"):
+                 on_nonfinite: str = "stop", fsdp_casts: bool = False):
         if precision not in ("fp32", "bf16"):
             raise InvalidArgumentError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
         self.on_nonfinite = check_on_nonfinite(on_nonfinite)
@@ -159,9 +159,12 @@ class Trainer:
         self.device = meshes.device
         """Where this rank computes: each micro-batch is moved there on the way in (:mod:`nbtrain.run.placement`)."""
         self.loss_fn, self.clip_norm = loss_fn, clip_norm
-        # bf16: compute in bf16 under autocast, weights and optimizer state stay fp32 (the master copy), and FSDP2
-        # reduces gradients in fp32 (its default for fp32 parameters)
-        self.autocast = torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+        # bf16: weights and optimizer state stay fp32 (the master copy). fsdp_casts: FSDP2's MixedPrecisionPolicy
+        # wraps every layer (fit_worker.mixed_precision, as torchtitan runs FSDP plans), gathers the weights in bf16,
+        # computes in them and reduces gradients in fp32: no autocast. Elsewhere autocast computes in bf16 over the
+        # fp32 weights (a bf16 copy of each matmul weight)
+        self.autocast = torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
+                                       enabled=precision == "bf16" and not fsdp_casts)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule) if lr_schedule else None
         self.steps_done = 0
         from nbtrain.run.offload.optimizer import OffloadedAdamW
