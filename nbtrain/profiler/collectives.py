@@ -58,6 +58,9 @@ from pathlib import Path
 
 from nbtrain.errors import InvalidArgumentError
 
+_TYPICAL = 2**20
+"""Bytes at which two measurements of one operation are compared (a layer's gradients or hidden state on a CPU)."""
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "fsdp_forward", "fsdp_backward", "fsdp_backward_2",
        "tp_forward", "tp_backward")
 
@@ -140,6 +143,20 @@ class Links:
         worlds = {n for n, _ in other.slowdowns}
         slowdowns = tuple(x for x in self.slowdowns if x[0] not in worlds) + other.slowdowns
         return Links(kept + other.links, tuple(sorted(slowdowns)))
+
+    def least_disturbed(self, other: "Links") -> "Links":
+        """Of two measurements of the same machine, each operation's faster one, and the smaller compute slowdown:
+        a busy minute (another program on the cores) only ever slows a measurement down, so the faster of two is the
+        less disturbed. Operations only one of them measured are kept as they are."""
+        mine = {(link.op, link.group, link.world): link for link in self.links}
+        for link in other.links:
+            key = (link.op, link.group, link.world)
+            if key not in mine or link.seconds(_TYPICAL) < mine[key].seconds(_TYPICAL):
+                mine[key] = link
+        slowdowns = dict(self.slowdowns)
+        for n, factor in other.slowdowns:
+            slowdowns[n] = min(factor, slowdowns.get(n, factor))
+        return Links(tuple(mine.values()), tuple(sorted(slowdowns.items())))
 
     def to_list(self) -> dict:
         return {"slowdowns": [list(x) for x in self.slowdowns],
@@ -252,5 +269,37 @@ def cached_links(world_size: int, *, measure: bool = True, progress=print) -> Li
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(links.to_list()) + "\n")
     except OSError:  # a read-only home: measured again next time, nothing lost
+        pass
+    return links
+
+
+_REMEASURED: dict[int, Links] = {}
+"""What :func:`remeasure_links` measured in this process, by process count: a cluster taken before (the notebook's
+``Cluster.this_machine(2)`` in a variable) takes it in :meth:`~nbtrain.profiler.hardware.Cluster.with_links`."""
+
+
+def remeasured(world_size: int) -> Links | None:
+    """The links :func:`remeasure_links` kept for ``world_size`` processes in this process, if it ran."""
+    return _REMEASURED.get(world_size)
+
+
+def remeasure_links(world_size: int, *, progress=print) -> Links:
+    """Measure this machine's links among ``world_size`` processes again and keep, per operation, the less disturbed
+    of the new and the cached measurement (:meth:`Links.least_disturbed`): what a run whose step was far from its
+    prediction does, so that a measurement taken in a busy minute does not stay for good."""
+    path = cache_file(world_size)
+    try:
+        cached = Links.from_list(json.loads(path.read_text()))
+    except (OSError, ValueError, InvalidArgumentError):
+        cached = Links()
+    if progress:
+        progress(f"Measuring this machine's communication among {world_size} processes again (~{10 * world_size} s; "
+                 f"the faster of this and the cached measurement is kept in {path})")
+    links = cached.least_disturbed(measure_in_subprocess(world_size))
+    _REMEASURED[world_size] = links
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(links.to_list()) + "\n")
+    except OSError:
         pass
     return links

@@ -23,7 +23,7 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.profiler.catalog import (CATALOG, local_cpus, local_gpu_name, local_gpus, local_memory,  # noqa: F401
                                       lookup, match_gpu)  # (lookup: re-exported)
-from nbtrain.profiler.collectives import Links, cached_links
+from nbtrain.profiler.collectives import Links, cached_links, remeasured
 from nbtrain.table import Table
 from nbtrain.units import format_bytes, format_rate, parse_bytes
 
@@ -256,6 +256,9 @@ class Cluster:
         if self.source == "catalog":
             raise InvalidArgumentError("links are measured on this machine; a catalog cluster describes another "
                                        "one: use Cluster.detect(), or Cluster.load() a cluster measured there")
+        fresh = remeasured(world_size)  # measured again after a run far from its prediction (run/prediction_check)
+        if fresh is not None:
+            return self.replace(links=self.links.merged(fresh))
         if self.links.find("all_reduce", world_size, world_size) is not None or world_size < 2:
             return self
         found = cached_links(world_size, measure=measure, progress=progress)

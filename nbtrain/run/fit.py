@@ -50,6 +50,7 @@ from nbtrain.run.evaluation import check_eval_every, eval_set
 from nbtrain.run.fit_result import FitResult
 from nbtrain.run.options import Checkpointing, Documents, Evaluation, ModelFiles, Optimizer, flat, options
 from nbtrain.run.predict_here import predict_here
+from nbtrain.run.prediction_check import check_prediction
 from nbtrain.run.fit_worker import RunSettings, fit_worker
 from nbtrain.run.trainer import check_on_nonfinite
 
@@ -336,7 +337,11 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
     if merged_to is not None:
         write_merged(model, merged_to)
     latest = folder.latest() if folder is not None else None
-    return FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
-                     0 if start is None else start.step, None if latest is None else str(latest.path),
-                     rank_memory=peaks, save_pretrained=hf_folder or adapters_to, adapters=adapters_to is not None,
-                     save_merged=merged_to)
+    result = FitResult(plan, records, predicted, predicted_memory, state or {}, run.save_dir, trace,
+                       0 if start is None else start.step, None if latest is None else str(latest.path),
+                       rank_memory=peaks, save_pretrained=hf_folder or adapters_to, adapters=adapters_to is not None,
+                       save_merged=merged_to)
+    if predicted is not None and not launched_externally():  # a job's ranks do not measure this machine again
+        result.prediction_note = check_prediction(result, cluster, num_processes=num_processes, model=model,
+                                                  progress=print if progress else None)
+    return result

@@ -45,6 +45,9 @@ class FitResult:
     """Whether :attr:`save_pretrained` holds a peft model's adapters (not a whole model)."""
     save_merged: str | None = None
     """The Hugging Face folder of the base model with the adapters merged in, when asked for."""
+    prediction_note: str | None = None
+    """When the measured step was outside 0.8–1.25 of the prediction: by how much, and what was measured again so
+    that the next prediction is right (:func:`nbtrain.run.prediction_check.check_prediction`)."""
     rank_memory: list | None = None
     """Each rank's ``(before, during)`` peak memory: once its part of the model was allocated and filled, before the
     first step, and during training (the allocator's peak on a GPU, the process's peak resident memory on the CPU)."""
@@ -93,6 +96,8 @@ class FitResult:
             line += f" · predicted: {format_seconds(self.predicted_step_s)} (measured / predicted " \
                     f"{self.measured_step_s / self.predicted_step_s:.2f})"
         t.footer.append(line)
+        if self.prediction_note:
+            t.footer.append(f"note: {self.prediction_note}")
         measured = [r.tensor_bytes for r in self.records if r.tensor_bytes is not None]
         if measured:
             line = f"tensor memory at the peak: {format_bytes(max(measured))}"

@@ -1,0 +1,78 @@
+"""A calibration taken in a busy minute is not kept for good (issue 45): a run whose measured step is outside
+0.8–1.25 of its prediction says so in its step table and measures this machine's communication again, keeping the
+less disturbed of the two, so that the next prediction follows the machine."""
+
+import dataclasses
+import json
+import math
+
+import torch
+
+import nbtrain
+from nbtrain.profiler import collectives
+from nbtrain.profiler.collectives import Links, cache_file, cached_links
+
+MIB = 2**20
+
+
+def slowed(links: Links, factor: float) -> Links:
+    """``links`` as a measurement taken while another program held the cores: every operation and the compute
+    slowdown of processes sharing them ``factor`` times slower."""
+    ops = tuple(dataclasses.replace(link, latency_s=link.latency_s * factor, bandwidth=link.bandwidth / factor,
+                                    points=tuple((b, s * factor) for b, s in link.points)) for link in links.links)
+    return Links(ops, tuple((n, f * factor) for n, f in links.slowdowns))
+
+
+def all_reduce_s(links: Links) -> float:
+    return links.find("all_reduce", 2, 2).seconds(MIB)
+
+
+def test_a_calibration_twice_too_slow_is_corrected_by_the_next_run_which_says_so(tmp_path, monkeypatch):
+    honest = cached_links(2)  # this machine's, measured once per test session
+    monkeypatch.setenv("NBTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(collectives, "_REMEASURED", {})
+    planted = slowed(honest, 2.0)
+    cache_file(2).parent.mkdir(parents=True, exist_ok=True)
+    cache_file(2).write_text(json.dumps(planted.to_list()))
+
+    torch.manual_seed(0)
+    model = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128))
+    g = torch.Generator().manual_seed(0)
+    batches = [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 256, (8, 64), generator=g) for _ in range(6))]
+
+    first = nbtrain.fit(model, batches, plan="dp_replicate=2", steps=6, num_processes=2, progress=False,
+                        cluster=nbtrain.Cluster.this_machine(2, progress=None))
+    assert first.measured_step_s / first.predicted_step_s < 0.8
+    assert "measured again" in first.prediction_note
+    assert "note: the step measured" in str(first)  # in the step table, under the measured / predicted line
+
+    kept = Links.from_list(json.loads(cache_file(2).read_text()))
+    assert all_reduce_s(kept) < 0.8 * all_reduce_s(planted)  # the planted measurement is no longer the one used
+    assert dict(kept.slowdowns)[2] < dict(planted.slowdowns)[2]
+
+    again = nbtrain.fit(model, batches, plan="dp_replicate=2", steps=6, num_processes=2, progress=False,
+                        cluster=nbtrain.Cluster.this_machine(2, progress=None))
+    # the next run's prediction is nearer what its step measures than the planted one was to the first run's (on a
+    # quiet machine within the 0.8-1.25 band; other programs on the cores move the measured step, not the direction)
+    off = [abs(math.log(r.measured_step_s / r.predicted_step_s)) for r in (first, again)]
+    assert off[1] < off[0], off
+
+
+def test_a_run_within_its_prediction_measures_nothing_again(monkeypatch):
+    from nbtrain.run import prediction_check
+
+    called = []
+    monkeypatch.setattr(collectives, "remeasure_links", lambda *a, **k: called.append(a))
+    result = type("Result", (), {"predicted_step_s": 0.100, "measured_step_s": 0.110})()
+    here = nbtrain.Cluster.detect(calibrate=False).replace(source="calibrated")
+    assert prediction_check.check_prediction(result, here, num_processes=2, model=torch.nn.Linear(2, 2)) is None
+    assert called == []
+
+
+def test_a_described_cluster_far_from_its_prediction_is_not_measured_here():
+    from nbtrain.run.prediction_check import check_prediction
+
+    result = type("Result", (), {"predicted_step_s": 0.100, "measured_step_s": 0.300})()
+    catalog = nbtrain.Cluster.from_catalog("H100", num_devices=2)
+    note = check_prediction(result, catalog, num_processes=2, model=torch.nn.Linear(2, 2))
+    assert "3.00×" in note and "not measured here" in note
