@@ -36,8 +36,9 @@ def llama_bf16_profile():
 
 
 @pytest.mark.parametrize("world", [8, 64])
-@pytest.mark.parametrize("plan", ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac"],
-                         ids=["zero3", "zero2", "checkpointed"])
+@pytest.mark.parametrize("plan", ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "pp=1 mb=2 | dp_shard={w}",
+                                  "pp=1 mb=2 | dp_shard={w} zero=2"],
+                         ids=["zero3", "zero2", "checkpointed", "mb2-zero3", "mb2-zero2"])
 def test_planner_memory_per_device_is_within_10_percent_of_fsdp_mem_tracker(llama_profile, plan, world):
     with fake_world(world):
         plan = plan_for(plan.format(w=world), llama_profile, world, SEQ)
@@ -45,6 +46,9 @@ def test_planner_memory_per_device_is_within_10_percent_of_fsdp_mem_tracker(llam
         theirs, kinds = counted(llama, plan, VOCAB)
     assert 0.9 <= mine / theirs <= 1.1, (f"{plan}: planner {mine / 2**20:.2f} MiB {parts} against the tracker's "
                                          f"{theirs / 2**20:.2f} MiB {kinds}")
+    if plan.microbatches > 1:  # reduce-scattered every micro-batch (trainer.gradient_sync): only the shards are kept
+        assert kinds["sharded_grad"] == pytest.approx(parts["grads"], rel=0.01)  # FSDP2 pads shards at 64
+        assert "unsharded_grad" not in kinds
 
 
 def test_the_loss_backward_is_the_peak_the_planner_prices_for_the_head(llama_profile):
@@ -101,3 +105,29 @@ def test_fine_tuning_plans_memory_is_within_10_percent_of_fsdp_mem_tracker_and_f
     assert parts["optimizer"] == pytest.approx(kinds["opt"], rel=0.05)
     trained = sum(layer.trained for layer in profile.layers)
     assert parts["optimizer"] == pytest.approx(trained * 8 / 8, rel=1e-6)  # two fp32 moments, sharded over 8
+
+
+def test_under_zero_gradients_are_reduce_scattered_every_micro_batch_and_priced_so(llama_profile):
+    """Issue 45: the trainer syncs FSDP2's gradients every micro-batch (torchtitan's accumulation), so between
+    micro-batches only the fp32 shards are held (the tests above); the planner counts that sync's time once per
+    micro-batch, where DDP's all-reduce stays once a step (DDP holds whole gradients anyway)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    calls = {}
+    with fake_world(8):
+        for mb in (1, 2):
+            plan = plan_for(f"pp=1 mb={mb} | dp_shard=8", llama_profile, 8, SEQ)
+            with mock.patch.object(dist, "reduce_scatter_single", wraps=dist.reduce_scatter_single) as rs:
+                counted(llama, plan, VOCAB)
+            calls[mb] = rs.call_count
+    assert calls[1] > 0 and calls[2] == 2 * calls[1]
+    h100 = nbtrain.Cluster.from_catalog("H100", num_devices=8)
+
+    def dp_comm(text: str) -> float:
+        return nbtrain.estimate(plan_for(text, llama_profile, 8, SEQ), llama_profile, h100).time.dp_comm
+
+    # twice the syncs of the same bytes, each hidden under half the backward: at least twice the exposed time
+    assert dp_comm("pp=1 mb=2 | dp_shard=8") >= 2 * dp_comm("dp_shard=8") > 0
+    assert dp_comm("pp=1 mb=2 | dp_replicate=8") < 1.5 * dp_comm("dp_replicate=8")  # DDP: once a step

@@ -214,28 +214,35 @@ class CostModel(LayerTerms):
                                                                           self._latency(s.tp))
         if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
             tp_comm += (1 if index == 0 else passes - 1) * self._gather(s.tp, hidden)
-        zero3, dp_comm = self._data_parallel(index, s, dense, compute, bwd, trained=trained)
+        # the trainer syncs a sharded layer's gradients every micro-batch (torchtitan's accumulation under FSDP2,
+        # trainer.gradient_sync), one stage without offload; a pipeline's schedule and an offload sync at the last
+        each = pp == 1 and s.offload == 0
+        zero3, dp_comm, dp_each = self._data_parallel(index, s, dense, compute, bwd, trained=trained, each=each)
         ep_comm = 0.0
         if spread:
             ep_comm = dispatch_seconds(links, world, self._gather, s.ep, hidden, spread.per_token, spread.experts,
                                        spread.factor, passes)
-            zero3, dp_comm = (a + b for a, b in zip((zero3, dp_comm), self._data_parallel(
-                index, spread.strategy, spread.params / s.ep, compute, bwd, stride=s.ep, trained=trained)))
+            zero3, dp_comm, dp_each = (a + b for a, b in zip((zero3, dp_comm, dp_each), self._data_parallel(
+                index, spread.strategy, spread.params / s.ep, compute, bwd, stride=s.ep, trained=trained,
+                each=each)))
         # the update of what this rank holds: its shard of the layer, and under ep its experts' shard
         offload, update = self._optimizer(index, s, trained * (dense + (
             spread.params / s.ep / spread.strategy.dp_shard * shard if spread else 0.0)), bwd)
-        # once a step, spread over the schedule's pp + m − 1 slots (the module docstring's "Pipeline")
-        per_step = Time(dp_comm=dp_comm, offload=offload, update=update).scaled(1 / (microbatches + pp - 1))
-        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm) + per_step
+        # once a step, spread over the schedule's pp + m − 1 slots (the module docstring's "Pipeline"); the
+        # reduce-scatters of every micro-batch but the last, each micro-batch
+        per_step = Time(dp_comm=dp_comm - dp_each, offload=offload, update=update).scaled(1 / (microbatches + pp - 1))
+        time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm, dp_comm=dp_each) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
     def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float,
-                       stride: int = 1, trained: float = 1.0) -> tuple[float, float]:
-        """(FSDP2's per-micro-batch gathers, the once-a-step gradient sync) of a layer of ``p`` parameters per TP
-        rank, ``trained`` of them trained (the others frozen: gathered, never synced): as measured here where it was
-        (:mod:`nbtrain.planner.link_costs`), else by bandwidth, over groups of ranks ``stride`` apart (spread experts'
-        peers: ``ep``), which may span more nodes."""
+                       stride: int = 1, trained: float = 1.0, each: bool = False) -> tuple[float, float, float]:
+        """(FSDP2's per-micro-batch gathers, the last micro-batch's gradient sync, the sync every other micro-batch
+        also runs) of a layer of ``p`` parameters per TP rank, ``trained`` of them trained (the others frozen:
+        gathered, never synced): as measured here where it was (:mod:`nbtrain.planner.link_costs`), else by
+        bandwidth, over groups of ranks ``stride`` apart (spread experts' peers: ``ep``), which may span more nodes.
+        ``each``: a sharded layer's sync runs every micro-batch (``trainer.gradient_sync``; the measured FSDP2 costs
+        hold its reduce-scatter already)."""
         e, opt, world = self.e, self.options, self.cluster.num_devices
         shard, grad_bytes = s.dp_shard, p * trained * opt.grad_reduce_bytes
         zero3 = fsdp_seconds(self.links, world, s, self.profile.layers[index].kind, param_bytes=p * e)
@@ -249,14 +256,16 @@ class CostModel(LayerTerms):
             if shard > 1 and s.zero == 2:
                 sync += _ring(shard, p * trained * e, shard_bw, shard_lat)  # gather the updated shard
         if not trained:  # every weight frozen: no gradient to sync
-            return zero3, 0.0
+            return zero3, 0.0, 0.0
         replicas = replica_seconds(self.links, world, s, grad_bytes=grad_bytes,
                                    model_grad_bytes=self._grad_bytes(s.tp))
         if replicas is not None:
-            return zero3, sync + replicas
-        span = s.devices * stride
-        sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(span), self._latency(span))
-        return zero3, max(0.0, sync * opt.overlap_slowdown - bwd)
+            sync += replicas
+        else:
+            span = s.devices * stride
+            sync += 2 * _ring(s.dp_replicate, grad_bytes / shard, self._bandwidth(span), self._latency(span))
+            sync = max(0.0, sync * opt.overlap_slowdown - bwd)
+        return zero3, sync, sync if each and shard > 1 else 0.0
 
     def _optimizer(self, index: int, s: Strategy, p: float, bwd: float) -> tuple[float, float]:
         """(the offloaded update's time not hidden under backward, the device's own update and clipping)."""

@@ -71,13 +71,19 @@ class StepRecord:
 
 
 def gradient_sync(model: nn.Module, enabled: bool, offloaded=None):
-    """A context in which backward reduces gradients over data-parallel ranks (``enabled``) or only accumulates them
-    (every micro-batch of a step but the last): DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``, and an
-    offloaded optimizer's own ``no_sync()`` (its hooks hand gradients over after the last micro-batch only)."""
+    """A context in which backward reduces gradients over data-parallel ranks (``enabled``: the step's last
+    micro-batch) or accumulates them. DDP accumulates whole gradients (``no_sync()``; it holds them whole anyway).
+    FSDP2 syncs every micro-batch, as torchtitan accumulates (issue 45): no layer's whole gradient is held from one
+    micro-batch to the next, only its fp32 shard, which is what the planner prices (one layer's whole gradient in
+    flight, the sync's time each micro-batch). (FSDP2's ``set_requires_all_reduce(False)``, which would keep an
+    HSDP all-reduce to the last micro-batch, fails in torch 2.13 on a group of two parameters: it adds the head's
+    partial shard to the norm's.) With an offloaded optimizer FSDP2 syncs at the last micro-batch only (its
+    reduce-scatter hands the gradients over), and the optimizer's own ``no_sync()`` holds its hooks back until
+    then."""
     if isinstance(model, DistributedDataParallel):
         return nullcontext() if enabled else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (its reduce-scatter hands an offload over)
-        model.set_requires_gradient_sync(enabled)
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled or offloaded is None)
     if offloaded is not None:
         return nullcontext() if enabled else offloaded.no_sync()
     return nullcontext()
