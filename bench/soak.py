@@ -2,6 +2,7 @@
 
     python bench/soak.py            # 50 launches of 2 workers, ~2 min on 2 cores; a table on stdout
     python bench/soak.py 200        # more
+    python bench/soak.py --session  # 50 sessions: open, train, interrupt, replan, train, close (~3 min)
 
 Each launch is ``nbtrain.fit`` of a tiny GPT for 2 steps under ``dp_replicate=2`` in 2 forked gloo workers; in every
 ten, the failure paths must clean up too: one launch's worker raises, one worker is killed by SIGKILL, one training
@@ -95,13 +96,44 @@ def with_fault(data, fault: str):
     return batch
 
 
-def main(launches: int = 50) -> int:
+def session_files() -> list[str]:
+    """The sessions' private folders (``/dev/shm`` or the temporary directory) still on disk."""
+    places = [p for p in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(p)]
+    return sorted(name for place in places for name in os.listdir(place) if name.startswith("nbtrain-session-"))
+
+
+def soak_sessions(count: int) -> int:
+    """``count`` sessions in a row: each opens, trains 2 steps, is interrupted (this process gets SIGINT, as the
+    stop button sends) in a long call, replans, trains 2 more and closes; what each leaves behind, as for launches."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nbtrain.build_preset("gpt-tiny", device="cpu")
+    g = torch.Generator().manual_seed(0)
+    data = [(x, torch.roll(x, -1, 1)) for x in (torch.randint(0, 512, (4, 16), generator=g) for _ in range(2))]
+    rows, started = [], time.perf_counter()
+    for i in range(count):
+        session = nbtrain.Session(model, "dp_replicate=2", num_processes=2, timeout=120)
+        try:
+            session.fit(data, steps=2, progress=False)
+            threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            session.fit(data, steps=100_000, progress=False)  # stopped after a step, the session goes on
+            session.replan("dp_shard=2" if i % 2 == 0 else "0: dp_shard=2; 1-4: dp_replicate=2; 5: dp_shard=2")
+            session.fit(data, steps=2, progress=False)
+        finally:
+            session.close()
+        rows.append((i + 1, children(), open_fds(), listening_sockets(), rss_mib(),
+                     len(temporary_entries()) + len(session_files())))
+    return report(rows, count, time.perf_counter() - started, "sessions", None, 0)
+
+
+def main(launches: int = 50, sessions: bool = False) -> int:
     checkpoints = tempfile.TemporaryDirectory(prefix="nbtrain-soak-")  # in the usual one: not counted
     scratch = tempfile.mkdtemp(prefix="nbtrain-soak-tmp-")
     saved = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = os.environ["TMPDIR"] = scratch
     try:
-        return soak(launches, checkpoints.name)
+        return soak(launches, checkpoints.name, sessions)
     finally:
         tempfile.tempdir = saved[0]
         if saved[1] is None:
@@ -112,7 +144,9 @@ def main(launches: int = 50) -> int:
         shutil.rmtree(scratch, ignore_errors=True)  # listed above if anything was left
 
 
-def soak(launches: int, checkpoints: str) -> int:
+def soak(launches: int, checkpoints: str, sessions: bool = False) -> int:
+    if sessions:
+        return soak_sessions(launches)
     torch.manual_seed(0)
     model = nbtrain.build_preset("gpt-tiny", device="cpu")
     g = torch.Generator().manual_seed(0)
@@ -139,7 +173,11 @@ def soak(launches: int, checkpoints: str) -> int:
         except (WorkerError, KeyboardInterrupt) as error:
             failures, kept = failures + 1, error
         rows.append((i + 1, children(), open_fds(), listening_sockets(), rss_mib(), len(temporary_entries())))
-    seconds = time.perf_counter() - started
+    return report(rows, launches, time.perf_counter() - started, "launches", kept, failures)
+
+
+def report(rows: list, launches: int, seconds: float, what: str, kept, failures: int) -> int:
+    """The table of what was left after each, and PASS or FAIL."""
     print(f"{'launch':>6} {'children':>8} {'fds':>5} {'listen':>6} {'rss MiB':>8} {'tmp':>4}")
     for row in rows[:3] + rows[9::10]:
         print(f"{row[0]:>6} {row[1]:>8} {row[2]:>5} {row[3]:>6} {row[4]:>8.1f} {row[5]:>4}")
@@ -149,8 +187,9 @@ def soak(launches: int, checkpoints: str) -> int:
     leaks = {"children": last[1] - first[1], "fds": last[2] - first[2], "listening sockets": last[3] - first[3]}
     left = temporary_entries()
     caches = sorted(name for name in os.listdir(tempfile.gettempdir()) if name.startswith(TORCH_CACHES))
-    print(f"last error kept: {type(kept).__name__}: {str(kept)[:100]}")
-    print(f"\n{launches} launches ({failures} failing on purpose) in {seconds:.0f} s, {seconds / launches:.2f} s each; "
+    if kept is not None:
+        print(f"last error kept: {type(kept).__name__}: {str(kept)[:100]}")
+    print(f"\n{launches} {what} ({failures} failing on purpose) in {seconds:.0f} s, {seconds / launches:.2f} s each; "
           f"left behind since the first: " + ", ".join(f"{k} {v:+d}" for k, v in leaks.items())
           + f"; resident memory {warm[4]:.1f} → {last[4]:.1f} MiB ({grew:+.1f}) after launch {warm[0]}; "
           f"left on disk (the temporary directory): {len(left)} entries" + (f": {', '.join(left[:10])}"
@@ -163,4 +202,5 @@ def soak(launches: int, checkpoints: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 50))
+    numbers = [a for a in sys.argv[1:] if a.isdigit()]
+    sys.exit(main(int(numbers[0]) if numbers else 50, "--session" in sys.argv))

@@ -39,6 +39,7 @@ _PUBLIC = {
     "Evaluation": "nbtrain.run.options",
     "ModelFiles": "nbtrain.run.options",
     "Documents": "nbtrain.run.options",
+    "export_job": "nbtrain.notebook.export_job",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -12,6 +12,7 @@
     $ nbtrain cluster --detect                                # measure this machine
     $ nbtrain kernel install                                  # the Jupyter kernel 'Python (nbtrain)'
     $ nbtrain export llama-tiny --strategy "dp_shard=2" --out run.ipynb    # a papermill-ready training notebook
+    $ nbtrain export-job llama-7b --gpus 16 --batch 64 --out job  # a folder that trains it on a cluster (Slurm)
 
 Errors a user can cause print one line, ``nbtrain: error: ...``, and exit with status 2.
 """
@@ -23,6 +24,7 @@ import json
 import sys
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, NbtrainError, WorkerError
+from nbtrain.notebook.job_command import add_export_job_command
 from nbtrain.plan_flags import NBTRAIN_PLAN, planning_flags
 from nbtrain.units import decimal_note
 
@@ -148,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--processes", type=_positive_int, default=2, help="processes the notebook trains with (2)")
     e.add_argument("--steps", type=_positive_int, default=10, help="training steps (default 10)")
     e.set_defaults(run=_export)
+
+    add_export_job_command(sub, _positive_int)
 
     c = sub.add_parser("cluster", help="describe a cluster from the device catalog, or measure this machine")
     c.add_argument("device", nargs="?", default=None, help="catalog name (H100, A100-80GB, ...); omit with --detect")

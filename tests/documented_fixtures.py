@@ -273,13 +273,15 @@ SHELL_SHOWS = {
     "nbtrain cluster H100 --gpus 16": ["16 × H100", "host memory"],
     "nbtrain cluster --detect": ["host memory", "CPU optimizer"],
     "nbtrain kernel install": ["installed the kernel 'nbtrain'"],
-    "nbtrain export": ["wrote run.ipynb"],
+    "nbtrain export ": ["wrote run.ipynb"],  # not export-job
+    "nbtrain export-job": ["recommended:", "job folder job: 2 nodes × 8 GPUs"],
     "nbtrain run train.py": ["train.py step 2 loss"],
     "-m pytest": ["passed"],
 }
 # Files each command must leave in its folder.
 SHELL_WRITES = {"> plan.json": ["plan.json"], "--out run.ipynb": ["run.ipynb"], " out.ipynb -k": ["out.ipynb"],
                 " run-out.ipynb -k": ["run-out.ipynb"],
+                "--out job": ["job/train.py", "job/plan.json", "job/launch.sh", "job/job.sbatch", "job/README.md"],
                 "kernel install --user": ["jupyter-user/kernels/nbtrain/kernel.json"]}
 
 
@@ -408,6 +410,12 @@ cell_source = ("import nbtrain\\n"
                "n_embd=64))\\n")
 ''',
     "nbtrain.notebook.export": 'plan = nbtrain.Plan.parse("dp_shard=2", num_devices=2, num_layers=6)\n',
+    "nbtrain.notebook.export_job": '''\
+from nbtrain.models.description import layer_slots
+cell_source = "import nbtrain\\nmodel = nbtrain.build_preset('gpt-tiny', device='meta')\\n"   # the cell's code
+plan = nbtrain.Plan.parse("dp_shard=16", num_devices=16, global_batch=64, seq_len=256,
+                          num_layers=len(layer_slots(nbtrain.build_preset("gpt-tiny", device="meta"))))
+''',
     "nbtrain.notebook.flags": '''\
 from IPython.core.magic_arguments import parse_argstring
 from nbtrain.notebook.magics import AutoparallelMagics

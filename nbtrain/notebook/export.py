@@ -36,29 +36,18 @@ def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, s
 
     from nbtrain.planner.scale import scale_plan
 
-    imports, missing = outside_names(code, namespace or {})
-    if missing:
-        raise InvalidArgumentError(f"cannot export: the cell uses {', '.join(missing)} from earlier cells, which "
-                                   "the exported notebook would not have; define them in the cell and run it again")
     path = Path(path).expanduser()
     if path.suffix != ".ipynb":
         raise InvalidArgumentError(f"export to {path}: the file must end in .ipynb")
-    if not model_name.isidentifier():
-        raise InvalidArgumentError(f"export: {model_name!r} is not a variable name")
+    imports, bound = check_cell(code, model_name, namespace or {}, into="the exported notebook")
     scale_plan(plan, processes)  # a process count the notebook could not launch is refused before it is written
-    bound = bound_names(code)
-    if model_name not in bound:
-        raise InvalidArgumentError(f"cannot export: the cell does not build {model_name} (it comes from an earlier "
-                                   "cell), so the exported notebook would have no model; build it in the exported "
-                                   "cell and run it again")
     if loss_name is not None and loss_name not in bound:
         raise InvalidArgumentError(f"cannot export --loss {loss_name}: it comes from an earlier cell, and a function "
                                    "cannot be written into the notebook; define it in the exported cell and run it "
                                    "again")
     saved = data_name is not None and data_name not in bound  # --data from an earlier cell: saved beside it
     data_cells, data_arg = _data_cells(path, data, data_name, bound)
-    plan_json = json.dumps({k: v for k, v in plan.to_dict().items() if k not in ("predicted", "alternatives")},
-                           indent=1)
+    plan_json = json.dumps(plan_to_keep(plan), indent=1)
     extra = data_arg + (f", loss_fn={loss_name}" if loss_name else "")
     cells = [
         new_markdown_cell(f"# Training `{model_name}` under an nbtrain plan\n\n"
@@ -96,6 +85,39 @@ def export_cell(path, code: str, model_name: str, plan, *, processes: int = 2, s
     return path
 
 
+def check_cell(code: str, model_name: str, namespace: dict, *, into: str) -> tuple[list[str], set[str]]:
+    """What an export of the cell's ``code`` needs, checked before anything is written: the ``import`` lines for the
+    modules it takes from earlier cells (``namespace``), and the names it binds. Values from earlier cells, and a
+    model the cell does not build, are refused: ``into`` names what would lack them ("the exported notebook",
+    "train.py")."""
+    imports, missing = outside_names(code, namespace)
+    if missing:
+        raise InvalidArgumentError(f"cannot export: the cell uses {', '.join(missing)} from earlier cells, which "
+                                   f"{into} would not have; define them in the cell and run it again")
+    if not model_name.isidentifier():
+        raise InvalidArgumentError(f"export: {model_name!r} is not a variable name")
+    bound = bound_names(code)
+    if model_name not in bound:
+        raise InvalidArgumentError(f"cannot export: the cell does not build {model_name} (it comes from an earlier "
+                                   f"cell), so {into} would have no model; build it in the exported cell and run it "
+                                   "again")
+    return imports, bound
+
+
+def plan_to_keep(plan) -> dict:
+    """The plan as an export writes it (JSON): what it is, without the prediction and the alternatives, which belong
+    to the cluster it was priced on."""
+    return {k: v for k, v in plan.to_dict().items() if k not in ("predicted", "alternatives")}
+
+
+def is_batch_list(data) -> bool:
+    """Whether ``data`` is a list of batches of tensors, which ``torch.save`` can carry beside an export."""
+    import torch
+
+    return isinstance(data, (list, tuple)) and all(
+        isinstance(batch, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in batch) for batch in data)
+
+
 def papermill_command(path, *, steps: int) -> str:
     """How to run an exported notebook, writing its executed copy beside it (never over it)."""
     path = Path(path)
@@ -116,8 +138,7 @@ def _data_cells(path: Path, data, data_name: str | None, bound: set[str]) -> tup
         return [], ""
     if data_name in bound:
         return [], f", data={data_name}"
-    if not isinstance(data, (list, tuple)) or not all(
-            isinstance(batch, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in batch) for batch in data):
+    if not is_batch_list(data):
         raise InvalidArgumentError(f"cannot export --data {data_name}: it comes from an earlier cell and is a "
                                    f"{type(data).__name__}, which cannot be saved beside the notebook; define it in "
                                    "the exported cell, or give a list of (ids, targets) batches (saved beside it)")

@@ -5,7 +5,8 @@
 Every value nbtrain cannot use is one ``UsageError`` line that names the flag and what to write instead: training
 counts that are not positive (the planning flags' counts and ``--dtype`` are refused while the line is parsed,
 :mod:`nbtrain.plan_flags`), a size it cannot read, a name ``-o`` cannot bind, flags that only mean something with
-``--launch`` (or ``--export``) given without it, checkpoint flags that contradict each other, ``--eval-every``
+``--launch`` (or ``--export``, ``--export-job``) given without it, an ``--export-job`` folder that holds something
+else, checkpoint flags that contradict each other, ``--eval-every``
 without ``--eval-data`` and ``--eval-data`` without ``--data``, and a process count the plan cannot be scaled to. The defaults of the training flags are filled in here, once they are known to apply.
 """
 
@@ -28,6 +29,13 @@ def check_line(args, *, local_devices) -> int | None:
     _check_needs_launch(args)
     _check_eval_flags(args)
     _check_checkpoint_flags(args)
+    if args.export_job:
+        from nbtrain.notebook.export_job import check_folder
+
+        try:
+            check_folder(args.export_job)
+        except NbtrainError as error:
+            raise UsageError(str(error)) from None
     if args.processes is None and (args.launch or args.export):
         args.processes = local_devices()
     for flag, value in TRAINING_DEFAULTS.items():
@@ -80,7 +88,12 @@ def _check_needs_launch(args) -> None:
         value = getattr(args, flag)
         if value is None or (flag in _TRAINING and args.export):
             continue
+        if args.export_job and flag in ("steps", "lr", "seed", "data", "checkpoint_every"):
+            continue  # what the job trains with
         name = "--" + flag.replace("_", "-")
+        if args.export_job and flag == "processes":
+            raise UsageError(f"--processes {value}: the job --export-job writes runs on the plan's devices (--gpus, "
+                             "--gpus-per-node); add --launch to train here too, or leave out --processes")
         if flag in ("checkpoint_dir", "checkpoint_every", "resume"):
             raise UsageError(f"{name} saves or resumes a training run: add --launch")
         if flag == "keep":
@@ -109,7 +122,7 @@ def _check_checkpoint_flags(args) -> None:
     if args.resume and args.checkpoint_dir and Path(args.resume).expanduser() != Path(args.checkpoint_dir).expanduser():
         raise UsageError(f"--resume {args.resume} and --checkpoint-dir {args.checkpoint_dir}: a resumed run saves "
                          "where it resumed from; give only --resume")
-    if args.checkpoint_every is not None and not (args.checkpoint_dir or args.resume):
+    if args.checkpoint_every is not None and not (args.checkpoint_dir or args.resume or args.export_job):
         raise UsageError(f"--checkpoint-every {args.checkpoint_every}: add --checkpoint-dir DIR, the folder the "
                          "checkpoints go in")
     if args.checkpoint_dir and not args.resume:

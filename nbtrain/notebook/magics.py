@@ -89,7 +89,8 @@ class AutoparallelMagics(Magics):
     @argument("--checkpoint-dir", metavar="DIR", help="with --launch, save checkpoints of the run in DIR (after the "
                                                      "last step, and every --checkpoint-every steps)")
     @argument("--checkpoint-every", type=int, default=None, metavar="K", help="with --checkpoint-dir, save every K "
-                                                                             "steps too")
+                                                                             "steps too; with --export-job, how often "
+                                                                             "the job saves")
     @argument("--resume", metavar="DIR", help="with --launch, go on from the newest complete checkpoint in DIR "
                                               "(saved under any plan), to --steps in all; saves there too")
     @argument("--weights", metavar="PATH", help="with --launch, start from these weights: a Hugging Face folder "
@@ -102,6 +103,10 @@ class AutoparallelMagics(Magics):
                                             "(nbtrain.Session)")
     @argument("--export", metavar="PATH", help="write a notebook that reproduces this cell (model code, plan, "
                                                "data, launch, checks), for papermill or a tutorial")
+    @argument("--export-job", metavar="DIR", help="write a folder that runs this cell's training as a job on a "
+                                                  "cluster: train.py (model code, --data, the plan, fit with "
+                                                  "checkpoints every --checkpoint-every steps, resumed), plan.json, "
+                                                  "launch.sh (torchrun), job.sbatch (Slurm) and a README")
     @line_cell_magic
     def autoparallel(self, line: str, cell: str | None = None):
         """Profile the model this cell builds, plan it for a described cluster, and show the plan.
@@ -203,6 +208,15 @@ class AutoparallelMagics(Magics):
                                lr=args.lr, seed=args.seed, namespace=namespace, data=data, data_name=args.data,
                                loss_name=args.loss)
             print(f"exported to {path}: {papermill_command(path, steps=args.steps)}")
+        if args.export_job:
+            from nbtrain.notebook.export_job import export_job
+
+            folder = export_job(args.export_job, cell or "", name, plan, model=model,
+                                devices_per_node=job.cluster.devices_per_node, cpu=job.cluster.device == "cpu",
+                                steps=args.steps, lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                                namespace=namespace, data=data, data_name=args.data, loss_fn=loss_fn,
+                                loss_name=args.loss)
+            print(folder)
         if args.launch and args.keep:
             from nbtrain.notebook.session_cell import keep_session
 
@@ -217,8 +231,9 @@ class AutoparallelMagics(Magics):
             result = train_here(model, plan, processes=args.processes, steps=args.steps, data=data,
                                 loss_fn=loss_fn, lr=args.lr, seed=args.seed, timeout=args.timeout,
                                 checkpoint_dir=args.resume or args.checkpoint_dir,
-                                checkpoint_every=args.checkpoint_every, resume=args.resume is not None,
-                                tp_plan=tp_plan, weights=args.weights, save_pretrained=args.save_pretrained,
+                                checkpoint_every=args.checkpoint_every if args.resume or args.checkpoint_dir else None,
+                                resume=args.resume is not None, tp_plan=tp_plan, weights=args.weights,
+                                save_pretrained=args.save_pretrained,
                                 calibrate=args.calibrate, eval_data=eval_data, eval_every=args.eval_every)
             _show(result.table())
             if result.eval_losses:  # the curves beside the table: a PNG, which papermill and exports keep
