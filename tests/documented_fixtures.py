@@ -326,6 +326,22 @@ config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_h
 LlamaForCausalLM(config).save_pretrained("llama-1b")       # "llama-1b/": a folder save_pretrained wrote
 '''
 
+# "When the job has ended": the section's cell exported for this machine's CPUs (2 processes, 2 steps) and its
+# train.py run to the end, as a node runs it: job/out/weights and job/out/result.json.
+JOB_RAN = '''\
+import subprocess, sys
+import nbtrain
+from nbtrain.models.description import layer_slots
+cell = ("import nbtrain\\nmodel = nbtrain.GPT(nbtrain.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, "
+        "n_embd=64))\\n")
+built = {}
+exec(cell, built)
+plan = nbtrain.Plan.parse("dp_shard=2", num_devices=2, num_layers=len(layer_slots(built["model"])), global_batch=4,
+                          seq_len=64)
+nbtrain.export_job("job", cell, "model", plan, model=built["model"], cpu=True, steps=2)
+subprocess.run([sys.executable, "job/train.py"], check=True, timeout=300)
+'''
+
 SECTION_FIXTURES = {
     "README.md#In a notebook": "",
     "docs/profile.md#Profile a model": MY_MODEL,
@@ -346,6 +362,8 @@ args = (1, 2)
 ''',
     "docs/any-model.md#Any model": "",              # its block imports what it uses
     "docs/switching.md#Variable-length data and hot switching": "import nbtrain\n",
+    "docs/cluster.md#From a planned cell to a job folder": "",   # its cell imports what it uses
+    "docs/cluster.md#Back in the notebook": JOB_RAN,
 }
 
 
