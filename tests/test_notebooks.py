@@ -83,7 +83,7 @@ def test_quickstart_plans_gpt2_and_trains_a_gpt_and_a_transformers_gpt2_here(tmp
     assert "tensor parallelism was not searched" not in everything  # GPT-2's fused q|k|v splits by heads now
 
 
-def test_your_own_model_trains_a_mistral_and_a_vit_on_its_own_data_and_loss(tmp_path):
+def test_your_own_model_trains_a_mistral_and_a_vit_on_its_own_data_and_loss_and_exports_a_cluster_job(tmp_path):
     nb = execute(NOTEBOOKS / "06_your_own_model.ipynb", tmp_path, smoke=True)
     everything = "\n".join(text_of(c) for c in nb.cells if c.cell_type == "code")
     mistral, vit = (next(text_of(c) for c in nb.cells if c.cell_type == "code" and f"{kind}Config(" in c.source)
@@ -97,6 +97,15 @@ def test_your_own_model_trains_a_mistral_and_a_vit_on_its_own_data_and_loss(tmp_
     assert "the trained model is in" in everything and "tuned-llama (from_pretrained loads it)" in everything
     assert "generated: [1, 2, 3, 4," in everything
     assert everything.count("measured step time") == 3
+    # the Mistral cell exported as a job for 2 nodes × 8 GPUs (nothing trained here), and the folder's files printed
+    assert "job folder mistral-job: 2 nodes × 8 GPUs" in everything
+    files = next(text_of(c) for c in nb.cells if c.cell_type == "code" and 'Path("mistral-job")' in c.source)
+    assert re.findall(r"^(\S+) +\d+ bytes$", files, re.M) == ["README.md", "job.sbatch", "launch.sh", "plan.json",
+                                                               "train.py"]
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120"):
+        assert line in files, line
+    train = (tmp_path / "mistral-job" / "train.py").read_text()
+    assert "MistralForCausalLM(MistralConfig(" in train and "default=2000" in train and "default=200," in train
 
 
 def test_fine_tuning_trains_lora_on_a_pretrained_model_evaluates_and_loads_the_adapters_back(tmp_path):
