@@ -233,6 +233,8 @@ class CostModel(LayerTerms):
         per_step = Time(dp_comm=dp_comm - dp_each, offload=offload, update=update).scaled(1 / (microbatches + pp - 1))
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm, dp_comm=dp_each) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
+        if pp > 1 and index == len(self.profile.layers) - 1 and prof.tied:  # the last stage's copy of the embedding
+            memory = memory + self._tied_copy(s)  # priced with the head, so the search's stages hold it too
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 
     def _data_parallel(self, index: int, s: Strategy, p: float, compute: float, bwd: float,
@@ -322,8 +324,6 @@ class CostModel(LayerTerms):
             time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp, i))
         if plan.pp > 1:
             time = time + Time(pp_comm=self.schedule_overhead())
-            if i == plan.pp - 1 and self.profile.layers[-1].tied:
-                memory = memory + self._tied_copy(plan.layers[-1])
         host = sum(cost.host_bytes for cost in costs)
         return StagePrediction(start, end, k, memory, time.total, host), time
 
