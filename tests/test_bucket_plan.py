@@ -21,8 +21,9 @@ from fractions import Fraction
 import pytest
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
-from nbtrain.planner.switching.bucket_search import received_fraction, switch_cost
-from nbtrain.planner.switching.buckets import BucketOptions, merged_rows, plan_buckets
+from nbtrain.planner.switching.switch_cost import received_fraction, switch_cost
+from nbtrain.planner.switching.bucket_strategy import BucketStrategy
+from nbtrain.planner.switching.buckets import BucketOptions, merged_rows, plan_buckets, price_buckets
 from nbtrain.planner.cost import CostModel, CostOptions
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, strategy_space
@@ -49,7 +50,8 @@ def blocks(n: int = 4, *, act: float = 4000, out: float = 1000, fwd: float = 1e6
 
 
 def options(**changes) -> BucketOptions:
-    return BucketOptions(**{"cost": NO_RESERVE, **changes})
+    """The space the hand-derived tests below price: no pipeline and no offload (the tests of those say so)."""
+    return BucketOptions(**{"cost": NO_RESERVE, "max_pp": 1, "offload_levels": (0.0,), **changes})
 
 
 # --- the switch cost model --------------------------------------------------------------------------------------
@@ -388,3 +390,91 @@ def test_when_nothing_fits_the_error_says_what_the_longest_bucket_needs_at_the_l
                                                  r"\(2 rows of 16384 tokens\) needs 117.13 MiB under its leanest "
                                                  r"strategy 'tp=8 ac'; use devices with more memory"):
         plan_buckets(blocks(), cluster(8), [(1024, 16), (16384, 2)], memory=5e6, options=options())
+
+
+# --- pipelines and the home's offload (issue 47) ----------------------------------------------------------------
+
+def test_a_pipelined_layout_holds_whole_layers_of_its_stage_so_a_switch_moves_only_those():
+    c = cluster(8)
+    home, piped = S(dp_replicate=2, tp=4), BucketStrategy(S(dp_replicate=4), pp=2)  # 4 layers: 2 per stage
+    layers = [P, P, P, P]
+    weights = switch_cost("weights", home, piped, params=4 * P, bytes_per_param=2, cluster=c, layer_params=layers)
+    grads = switch_cost("gradients", piped, home, params=4 * P, bytes_per_param=4, cluster=c, layer_params=layers)
+    # a stage's rank needs its 2 layers whole and holds a tp chunk of 1/4 of each: 3/4 · 2M params · 2 B = 3 MB
+    assert weights.bytes == pytest.approx(3_000_000, rel=EXACT)
+    # back home a rank needs 1/4 of all 4 layers: its own stage's 2 it held whole, the other stage's 2 it receives,
+    # 1/4 · 2M params · 4 B = 2 MB
+    assert grads.bytes == pytest.approx(2_000_000, rel=EXACT)
+
+
+SLOW_LINKS = dict(intra_node_bandwidth=1e8, inter_node_bandwidth=1e8)
+"""0.1 GB/s: the gradient all-reduce of 8 data-parallel ranks costs more than a pipeline's bubble (below)."""
+
+
+def test_with_pipelines_allowed_a_single_bucket_is_the_best_uniform_plan_of_any_pp_and_micro_batches():
+    prof, c = blocks(8), cluster(8, **SLOW_LINKS)
+    hot = plan_buckets(prof, c, [(1024, 16)], options=options(max_pp=None))
+    # every uniform plan, pp from 1 to 8, every strategy of a stage's devices and every micro-batch size dividing
+    # each rank's 16 / dp rows, through CostModel.estimate (1F1B; GPipe where there are fewer micro-batches than
+    # stages, where the two orders are the same)
+    model = CostModel(prof, c, global_batch=16, seq_len=1024, options=NO_RESERVE)
+    times = {}
+    for pp in (1, 2, 4, 8):
+        for s in strategy_space(8 // pp, devices_per_node=8, allow_sp=False):
+            per_rank = 16 // s.dp
+            for m in (k for k in (1, 2, 4, 8, 16) if per_rank % k == 0):
+                plan = Plan(num_devices=8, layers=(s,) * 8, pp=pp, microbatches=m, global_batch=16, seq_len=1024,
+                            schedule="1f1b" if m >= pp else "gpipe")
+                found = model.estimate(plan)
+                if found.fits:
+                    times[pp, s, m] = found.step_time_s
+    (pp, s, m), best = min(times.items(), key=lambda kv: kv[1])
+    assert pp > 1  # the slow links make a pipeline the fastest: what this test is about
+    assert hot.step_time_s == pytest.approx(best, rel=1e-6)
+    assert hot.buckets[0].strategy.pp > 1
+
+
+def test_the_plan_says_why_each_pipelined_bucket_runs_in_a_pipeline_beside_the_best_without_one():
+    prof, c = blocks(8), cluster(8, **SLOW_LINKS)
+    piped = plan_buckets(prof, c, [(1024, 16)], options=options(max_pp=None))
+    flat = plan_buckets(prof, c, [(1024, 16)], options=options())
+    assert flat.why == () and all(getattr(b.strategy, "pp", 1) == 1 for b in flat.buckets)
+    (why,) = piped.why
+    # it names the bucket, its pipeline's bubble, and the fastest strategy without a pipeline, which is the plan the
+    # search finds when pipelines are ruled out
+    assert why.startswith(f"(0, 1K] '{piped.buckets[0].strategy}'") and "bubble" in why
+    assert f"'{flat.buckets[0].strategy}'" in why
+    assert f"why a pipeline: {why}" in str(piped)
+
+
+def test_only_the_home_offloads_and_it_does_when_its_optimizer_state_fits_no_other_way():
+    prof, c = blocks(4, act=100, out=100), cluster(8)
+    buckets = [(128, 64), (1024, 8)]
+    # the budget: the smallest of a halving sequence under which no plan without offload fits
+    budget = 256e6
+    while True:
+        try:
+            plan_buckets(prof, c, buckets, memory=budget, options=options(offload_levels=(0.0,), merge=False))
+        except NoFeasiblePlanError:
+            break
+        budget /= 2
+    hot = plan_buckets(prof, c, buckets, memory=budget, options=options(offload_levels=(0.0, 0.5, 1.0), merge=False))
+    assert hot.home.offload > 0 and all(b.strategy.offload == 0 for b in hot.buckets[:-1])
+    assert hot.memory_bytes <= budget
+    # an offloaded fraction f keeps (1 - f) of the optimizer state on the device
+    plain = plan_buckets(prof, c, buckets, memory=2 * budget, options=options(merge=False))
+    assert plain.home == dataclasses.replace(hot.home, offload=0.0)  # the same home, without offload
+    assert hot.buckets[-1].memory.optimizer == pytest.approx(
+        (1 - hot.home.offload) * plain.buckets[-1].memory.optimizer, rel=1e-6)
+
+
+def test_a_given_pipelined_strategy_is_priced_and_one_the_executor_cannot_run_is_refused():
+    prof, c = blocks(8), cluster(8)
+    given = price_buckets(prof, c, [(128, 32), (1024, 4)], {128: "dp_replicate=8", 1024: "pp=2 tp=4"},
+                          options=options())
+    assert str(given.home) == "pp=2 tp=4" and given.buckets[-1].strategy.pp == 2
+    traced = dataclasses.replace(prof, arch={**prof.arch, "traced_stages": True})
+    with pytest.raises(InvalidArgumentError, match="traced graphs"):
+        price_buckets(traced, c, [(128, 32), (1024, 4)], {128: "dp_replicate=8", 1024: "pp=2 tp=4"})
+    hot = plan_buckets(traced, cluster(8, **SLOW_LINKS), [(1024, 16)], options=options(max_pp=None))
+    assert all(getattr(b.strategy, "pp", 1) == 1 for b in hot.buckets)

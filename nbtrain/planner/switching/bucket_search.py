@@ -1,156 +1,58 @@
-"""The cost side of :func:`nbtrain.planner.switching.buckets.plan_buckets`: what a hot switch costs, what each bucket costs
-under every strategy, and the search for the fastest home strategy and grouping of the other buckets.
+"""The search of :func:`nbtrain.planner.switching.buckets.plan_buckets`: the strategies a bucket may take (with a
+pipeline or without, the home's CPU offload), what each layout holds, the switches between layouts, and the fastest
+home strategy and grouping of the other buckets.
 
     >>> costs = SwitchingCostModel(profile, cluster, None, BucketOptions())
     >>> best = fastest(costs, [costs.bucket(4096, 48), costs.bucket(32768, 2)])
-    >>> best.seconds, [str(costs.space[j]) for j in best.strategies]
+    >>> best.seconds > 0, all(0 <= j < len(costs.space) for j in best.strategies)
+    (True, True)
     >>> switch_cost("weights", Strategy(dp_shard=2, tp=4), Strategy(dp_replicate=8), params=6.74e9,
     ...             bytes_per_param=2, cluster=Cluster.from_catalog("A100", num_devices=8)).bytes
     11795000000.0
 
-**A switch** (HotSPa) moves the parameters from one layout to another; the model, stated so that the executor's
-measurement (:class:`nbtrain.run.switching.reshard.Resharding` counts the bytes each rank receives) can stand beside it:
+**The space.** Every strategy of ``strategy_space`` on all the devices (power-of-two degrees, tp inside a node and
+dividing the heads, no tp with a tied embedding the executor keeps whole, no sequence parallelism yet), and, where
+the model's stages can be cut and its tied embedding may sit in two stages (:mod:`nbtrain.planner.reach`), the same
+on ``N / pp`` devices per stage for each power-of-two ``pp`` up to the layers and ``BucketOptions.max_pp``, as a
+1F1B pipeline (GPipe runs the same time with more activations in flight, so the search never prefers it; a user
+may give it). A home strategy may also offload its update to the CPU (``BucketOptions.offload_levels``): offload is
+the home optimizer's, so only the home takes those variants.
 
-* Under a strategy ``S`` a rank holds ``1 / (S.dp_shard × S.tp)`` of every parameter (replicated over
-  ``dp_replicate``): FSDP2 and TP each cut a tensor into equal contiguous chunks.
-* A rank keeps what it already holds when its chunk under one layout lies inside its chunk under the other: then
-  it reuses ``min(held_A, held_B)``. Otherwise nothing is counted as reused (a conservative bound).
-* On the mesh ``dp_replicate × dp_shard × tp`` (tp innermost, as :mod:`nbtrain.run.parallel.mesh` lays it out) a rank's chunk
-  index along its split is ``rank mod (dp_shard × tp)``, so chunks nest *for every rank* only when both layouts
-  split the same way, or when one of them holds the whole tensor. Chunks of different sizes never do: rank 1 holds
-  ``[1/2, 1)`` of a tensor under ``dp_shard=2`` and ``[1/4, 1/2)`` under ``dp_shard=4``. A switch is as slow as its
-  slowest rank, so the bytes counted are that rank's.
-* Bytes received per rank = Σ params × bytes per element × (held_B − reused); seconds = bytes / the link bandwidth
-  of the ``D`` devices (intra-node when they share a node, else inter-node), point to point, not overlapped.
+**What a layout holds** (per group of ranks, :mod:`nbtrain.planner.switching.bucket_costs`): the home layout its
+stage's parameters, gradients and optimizer state all step (the cost model's ``params + grads + optimizer`` of the
+stage, a tied copy on a pipeline's last stage), a layout away from home its stage's ``params + grads`` while its
+buckets run; a bucket adds its activations and transient. Its memory is its worst group's.
 
-**Choosing strategies** for buckets is a facility-location problem: each strategy other than the home costs its
+**A switch** (:mod:`nbtrain.planner.switching.switch_cost`): the weights home → layout (``profile.dtype_bytes`` per
+parameter) and the accumulated gradients back (``CostOptions.grad_reduce_bytes``), the slowest rank's bytes.
+
+**Choosing strategies** for buckets is a facility-location problem: each layout other than the home costs its
 switches and one gradient sync once, however many buckets use it. Its optimum partitions the buckets into groups,
-one strategy each, so a dynamic program over the subsets of the non-home buckets (3^(n−1) steps, every home strategy
-at once as numpy arrays) finds it exactly. The step-time and memory models are in :mod:`nbtrain.planner.switching.buckets`.
+one layout each, so a dynamic program over the subsets of the non-home buckets (3^(n−1) steps, every home strategy
+at once as numpy arrays) finds it exactly. The step-time and memory models are in
+:mod:`nbtrain.planner.switching.buckets`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from nbtrain.planner.cost import CostModel, Memory
+from nbtrain.planner.cost import Memory
+from nbtrain.planner.reach import cuts_stages, keeps_tie_whole, tie_crosses_stages
 from nbtrain.planner.search import layer_kinds
 from nbtrain.planner.strategy import Strategy, strategy_space
+from nbtrain.planner.switching.bucket_costs import (MICRO_ROWS, BucketCost, KindCostModel, best_fit,
+                                                    pipeline_prediction, price_bucket, stage_states)
+from nbtrain.planner.switching.bucket_strategy import BucketStrategy, layout_key, pp_of, with_layers
+from nbtrain.planner.switching.switch_cost import PredictedSwitch, switch_cost
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
-from nbtrain.units import format_bytes, format_seconds
 
-
-def layout(s: Strategy) -> Strategy:
-    """The layout a strategy runs in: itself without checkpointing (the executor turns that on and off per bucket
-    of one model)."""
-    return dataclasses.replace(s, ac=False)
-
-
-def padded_rows(rows: int, dp: int) -> int:
-    """Rows a bucket runs under ``dp`` data-parallel ranks: ``rows`` padded with empty ones to a multiple of ``dp``
-    (as :mod:`nbtrain.run.switching.hot` pads them), each computed like a full row: ``padded_rows(55, 8) == 56``."""
-    return -(-rows // dp) * dp
-
-
-def held_fraction(s: Strategy) -> float:
-    """The fraction of every parameter one rank holds under ``s``: ``1 / (dp_shard × tp)``."""
-    return 1.0 / (s.dp_shard * s.tp)
-
-
-def reused_fraction(a: Strategy, b: Strategy) -> float:
-    """The fraction of every parameter that every rank holds under both ``a`` and ``b`` (module docstring)."""
-    if (a.dp_shard, a.tp) == (b.dp_shard, b.tp):  # the same chunks on the same ranks (ac or ZeRO level aside)
-        return held_fraction(a)
-    if held_fraction(a) == 1.0 or held_fraction(b) == 1.0:  # a whole tensor contains any chunk of it
-        return min(held_fraction(a), held_fraction(b))
-    return 0.0
-
-
-def received_fraction(a: Strategy, b: Strategy) -> float:
-    """The fraction of every parameter a rank must receive to go from layout ``a`` to layout ``b``."""
-    return held_fraction(b) - reused_fraction(a, b)
-
-
-def link_bandwidth(cluster: Cluster) -> float:
-    """Bytes/s per device of the links a switch over all the cluster's devices uses."""
-    if cluster.num_devices <= cluster.devices_per_node:
-        return cluster.intra_node_bandwidth
-    return cluster.inter_node_bandwidth
-
-
-@dataclass(frozen=True)
-class PredictedSwitch:
-    """One re-layout per step, as the planner predicts it."""
-
-    what: str
-    """``"weights"`` (the compute copy, home → strategy) or ``"gradients"`` (accumulated, strategy → home)."""
-    source: Strategy
-    target: Strategy
-    bytes: float
-    """Bytes the slowest rank receives."""
-    seconds: float
-
-    def __str__(self) -> str:
-        return (f"{self.what} '{self.source}' → '{self.target}': {format_bytes(self.bytes)} per device, "
-                f"{format_seconds(self.seconds)}")
-
-
-def switch_cost(what: str, source: Strategy, target: Strategy, *, params: float, bytes_per_param: float,
-                cluster: Cluster) -> PredictedSwitch:
-    """The predicted switch of ``params`` parameters of ``bytes_per_param`` bytes from ``source`` to ``target``."""
-    nbytes = params * bytes_per_param * received_fraction(source, target)
-    return PredictedSwitch(what, source, target, nbytes, nbytes / link_bandwidth(cluster))
-
-
-MICRO_ROWS = (None, 1, 2, 4, 8, 16, 32, 64)
-"""Rows per micro-batch a bucket may run in on each rank: None, all at once; ``r``, micro-batches of ``r`` rows
-(the gradients accumulated), the rank's rows padded with empty ones to a multiple of ``r`` (computed, as full
-ones). The fastest that fits is taken (:func:`best_fit`)."""
-
-
-@dataclass(frozen=True)
-class BucketCost:
-    """One bucket under every strategy of the space (columns indexed like it) and every choice of
-    :data:`MICRO_ROWS` (rows), each priced at its rows padded with empty ones to a multiple of the strategy's dp
-    (:func:`padded_rows`) and then of the micro-batch's rows."""
-
-    bound: int
-    rows: int
-    """The bucket's own rows (its tokens are ``bound × rows``); the padded ones are priced, not counted."""
-    micro_rows: np.ndarray
-    """[choice, strategy]: rows per micro-batch on each rank (:func:`micro_rows_for`)."""
-    microbatches: np.ndarray
-    """[choice, strategy]: micro-batches per rank."""
-    passes: np.ndarray
-    """[choice, strategy]: forward and backward seconds of all the micro-batches: Σ layers compute + tp_comm +
-    zero3_comm (FSDP2 gathers once per micro-batch)."""
-    sync: np.ndarray
-    """[choice, strategy]: gradient-sync seconds left over after overlapping the last micro-batch's backward: Σ
-    layers dp_comm (once a step)."""
-    activations: np.ndarray
-    """[choice, strategy]: of one micro-batch."""
-    transient: np.ndarray
-    """[choice, strategy]: the largest transient of its layers."""
-
-
-def micro_rows_for(choice: int | None, rows: int) -> int:
-    """Rows per micro-batch for a choice of :data:`MICRO_ROWS` on a rank holding ``rows``: all of them when the
-    choice is None or holds them (``micro_rows_for(4, 33) == 4``, ``micro_rows_for(64, 33) == 33``)."""
-    return rows if choice is None or choice >= rows else choice
-
-
-def best_fit(fits: np.ndarray, seconds: np.ndarray, microbatches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the fastest choice that fits, whether any does) along the first axis, ``seconds`` and
-    ``microbatches`` broadcast to ``fits``; of choices equally fast (to rounding), the fewest micro-batches."""
-    seconds = np.where(fits, np.broadcast_to(seconds, fits.shape), np.inf)
-    near = seconds <= seconds.min(axis=0) * (1 + 1e-9)
-    return np.argmin(np.where(near, np.broadcast_to(microbatches, fits.shape), np.iinfo(int).max), axis=0), \
-        fits.any(axis=0)
+layout = layout_key
+"""The layout a strategy runs in (:func:`~nbtrain.planner.switching.bucket_strategy.layout_key`)."""
 
 
 @dataclass(frozen=True)
@@ -163,117 +65,153 @@ class Assignment:
 
 
 class SwitchingCostModel:
-    """The cost model over the strategy space: model states, update and switches per strategy; costs per bucket."""
+    """The cost model over the strategy space (module docstring): model states and switches per strategy, costs per
+    bucket (:meth:`bucket`), memory beside the home (:meth:`home_memory`, :meth:`away_memory`). ``options``:
+    :class:`~nbtrain.planner.switching.buckets.BucketOptions`; ``extra``: strategies to price beside the space."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, budget: float | None, options):
+    def __init__(self, profile: ModelProfile, cluster: Cluster, budget: float | None, options, extra=()):
         self.profile, self.cluster, self.options, self._budget = profile, cluster, options, budget
+        n, per_node = cluster.num_devices, cluster.devices_per_node
         heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
         unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)
-        # one strategy for every layer: a tied embedding and head keep the shared weight unsplit by TP (search.py)
-        tied = len(profile.layers) > 1 and bool(profile.layers[-1].tied)
+        # one strategy for every layer: a tied embedding and head the executor keeps whole keep TP out (search.py)
+        tied = keeps_tie_whole(profile)
         self.no_tp = profile.arch.get("no_tensor_parallel") or ("a tied embedding and head" if tied else "")
         """Why tensor parallelism is ruled out, or empty."""
-        self.space: list[Strategy] = [
-            s for s in strategy_space(cluster.num_devices, devices_per_node=cluster.devices_per_node,
-                                      max_tp=1 if self.no_tp else options.max_tp, allow_ac=options.allow_ac,
-                                      zero_levels=options.zero_levels, allow_sp=False)  # hot switching: no sp yet
-            if s.tp == 1 or ((not heads or heads % s.tp == 0) and (not unit or unit % s.tp == 0))]
+        self.no_pp = ("its stages cannot be cut" if not cuts_stages(profile) else
+                      # a bucket's rows change from step to step; a traced stage's shapes are fixed when traced
+                      "its pipeline stages are traced graphs of fixed shapes" if profile.arch.get("traced_stages")
+                      else "a tied embedding and head the executor keeps in one stage" if tied and
+                      not tie_crosses_stages(profile) else "")
+        """Why pipelines are ruled out, or empty."""
+
+        def space(devices: int) -> list[Strategy]:
+            return [s for s in strategy_space(devices, devices_per_node=per_node,
+                                              max_tp=1 if self.no_tp else options.max_tp, allow_ac=options.allow_ac,
+                                              zero_levels=options.zero_levels, allow_sp=False)  # no sp yet
+                    if s.tp == 1 or ((not heads or heads % s.tp == 0) and (not unit or unit % s.tp == 0))]
+
+        self.num_layers = len(profile.layers)
+        most = min(n, self.num_layers, options.max_pp or n) if not self.no_pp else 1
+        degrees = [p for p in (2 ** k for k in range(1, most.bit_length())) if n % p == 0 and p <= most]
+        base = space(n) + [BucketStrategy(s, p) for p in degrees for s in space(n // p)]
+        offloaded = [with_layers(s, offload=f) for f in options.offload_levels if f > 0 for s in base]
+        self.space: list = base + offloaded + [s for s in dict.fromkeys(extra) if s not in base + offloaded]
+        """Every strategy a bucket may take: a Strategy, or a pipelined BucketStrategy; offloaded ones home only;
+        ``extra`` ones a user gave (a GPipe pipeline, another offload fraction) to be priced."""
+        self.home_only = np.array([s.offload > 0 for s in self.space])
         kinds = layer_kinds(profile)  # layers of one kind cost the same under every strategy
-        self.kinds = [(kinds.index(k), kinds.count(k)) for k in sorted(set(kinds))]  # (representative, count)
-        probe = self.model(cluster.num_devices, profile.seq_len)
+        self.kinds = [(kinds.index(k), n_k) for k, n_k in ((k, kinds.count(k)) for k in sorted(set(kinds)))]
+        self._representative = [kinds.index(k) for k in kinds]
+        self.groups = max(pp_of(s) for s in self.space)
+        """Groups of ranks memory is kept per (:mod:`nbtrain.planner.switching.bucket_costs`)."""
+        probe = self.model(n, profile.seq_len)
         self.budget, self.reserve = probe.budget, probe.reserve
-        self.states = [self._states(probe, s) for s in self.space]
-        """Per strategy: Σ layers params, grads, optimizer — what the home layout holds all step."""
-        self.update = np.array([sum(n * probe.layer(i, s, 1).time.update for i, n in self.kinds)
-                                for s in self.space])
-        self.home_states = np.array([m.total for m in self.states])
-        self.copy = np.array([m.params + m.grads for m in self.states])
-        params = sum(layer.params for layer in profile.layers)
-        e, g = profile.dtype_bytes, options.cost.grad_reduce_bytes
-        self.switches = {(h, s): (switch_cost("weights", h, s, params=params, bytes_per_param=e, cluster=cluster),
-                                  switch_cost("gradients", s, h, params=params, bytes_per_param=g, cluster=cluster))
-                         for h in self.space for s in self.space if h != s}
-        self.switch_s = np.array([[sum(x.seconds for x in self.switches[h, s]) if h != s else 0.0
-                                   for s in self.space] for h in self.space])
-        """[home, strategy]: seconds of both switches per step."""
+        held = [stage_states(probe, s, n, self.num_layers, self.groups) for s in self.space]
+        self.states_g = np.array([h for h, _, _ in held])
+        """[strategy, group]: params + grads + optimizer the home layout holds all step."""
+        self.copy_g = np.array([c for _, c, _ in held])
+        """[strategy, group]: params + grads a layout away from home holds while its buckets run."""
+        self._stage_memory = [m for _, _, m in held]
+        self.home_states = self.states_g.max(axis=1)
         self.layouts = list(dict.fromkeys(layout(s) for s in self.space))
-        """The distinct layouts: strategies that differ only in checkpointing share one (the executor's model)."""
+        """The distinct layouts: strategies that differ only in checkpointing (or offload) share one model."""
         self.layout_index = np.array([self.layouts.index(layout(s)) for s in self.space])
-        representative = [int(np.argmax(self.layout_index == L)) for L in range(len(self.layouts))]
-        self.layout_switch_s = self.switch_s[:, representative]
-        """[home, layout]: seconds of both switches per step (checkpointing moves no bytes)."""
+        self._layer_params = [layer.params for layer in profile.layers]
+        arch = profile.arch
+        self._tied = (arch.get("vocab_size") or 0) * (arch.get("n_embd") or 0) if profile.layers[-1].tied else 0.0
+        pair = np.array([[self._switch_seconds(a, b) for b in range(len(self.layouts))]
+                         for a in range(len(self.layouts))])
+        self.layout_switch_s = pair[self.layout_index]
+        """[home, layout]: seconds of both switches per step (checkpointing and offload move no bytes)."""
+        self.switch_s = self.layout_switch_s[:, self.layout_index]
+        """[home, strategy]: seconds of both switches per step."""
+        self._away: dict = {}
 
     @lru_cache(maxsize=None)
-    def model(self, rows: int, bound: int) -> CostModel:
-        return CostModel(self.profile, self.cluster, global_batch=rows, seq_len=bound, budget_bytes=self._budget,
-                         options=self.options.cost)
+    def model(self, rows: int, bound: int) -> KindCostModel:
+        return KindCostModel(self.profile, self.cluster, global_batch=rows, seq_len=bound, budget_bytes=self._budget,
+                             options=self.options.cost, representative=self._representative)
 
-    def _states(self, model: CostModel, s: Strategy) -> Memory:
-        total = Memory()
-        for i, n in self.kinds:
-            m = model.layer(i, s, 1).memory
-            total = total + Memory(params=n * m.params, grads=n * m.grads, optimizer=n * m.optimizer)
-        return total
+    @lru_cache(maxsize=None)
+    def switches(self, home, strategy) -> tuple[PredictedSwitch, PredictedSwitch]:
+        """The two switches a layout away from ``home`` costs per step: weights there, gradients back."""
+        params = sum(self._layer_params)
+        e, g = self.profile.dtype_bytes, self.options.cost.grad_reduce_bytes
+        common = dict(params=params, cluster=self.cluster, layer_params=self._layer_params, tied=self._tied)
+        return (switch_cost("weights", home, strategy, bytes_per_param=e, **common),
+                switch_cost("gradients", strategy, home, bytes_per_param=g, **common))
+
+    def _switch_seconds(self, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        return sum(x.seconds for x in self.switches(self.layouts[a], self.layouts[b]))
 
     @lru_cache(maxsize=None)
     def bucket(self, bound: int, rows: int) -> BucketCost:
-        size, count = len(self.space), len(MICRO_ROWS)
-        micro, counts = np.ones((count, size), dtype=int), np.ones((count, size), dtype=int)
-        passes, sync = np.zeros((count, size)), np.zeros((count, size))
-        act, transient = np.zeros((count, size)), np.zeros((count, size))
-        for j, s in enumerate(self.space):
-            # the executor pads the bucket with empty rows to a multiple of dp, and computes them: priced as full
-            per_rank = padded_rows(rows, s.dp) // s.dp
-            for c, choice in enumerate(MICRO_ROWS):
-                r = micro_rows_for(choice, per_rank)
-                m = -(-per_rank // r)
-                model = self.model(s.dp * m * r, bound)  # each rank's rows padded to m micro-batches of r
-                costs = [(model.layer(i, s, m), n) for i, n in self.kinds]  # per micro-batch
-                passes[c, j] = m * sum(n * (x.time.compute + x.time.tp_comm + x.time.zero3_comm) for x, n in costs)
-                sync[c, j] = m * sum(n * x.time.dp_comm for x, n in costs)  # per micro-batch: a share of the step's
-                micro[c, j], counts[c, j] = r, m
-                act[c, j] = sum(n * x.memory.activations for x, n in costs)
-                transient[c, j] = max(x.transient for x, _ in costs)
-        return BucketCost(bound, rows, micro, counts, passes, sync, act, transient)
+        return price_bucket(self, bound, rows)
+
+    def pipeline(self, b: BucketCost, strategy: int, choice: int):
+        """The cost model's prediction of bucket ``b`` under a pipelined strategy (for the plan's explanation)."""
+        return pipeline_prediction(self, self.space[strategy], b.bound, b.rows, MICRO_ROWS[choice])
+
+    def _need(self, b: BucketCost) -> np.ndarray:
+        """[choice, strategy, group]: what the bucket itself holds."""
+        return b.activations + b.transient
 
     def home_memory(self, b: BucketCost) -> np.ndarray:
-        """[choice, strategy]: the bucket run under it as the home (CostModel.estimate of the uniform plan)."""
-        return self.reserve + self.home_states[None, :] + b.activations + b.transient
+        """[choice, strategy]: the bucket run under it as the home, its worst group of ranks."""
+        return self.reserve + (self.states_g[None] + self._need(b)).max(axis=2)
 
     def away_memory(self, b: BucketCost) -> np.ndarray:
         """[choice, home, strategy]: the bucket run under ``strategy`` while the ``home`` layout holds its states;
-        a strategy in the home's own layout (the home, or it with checkpointing toggled) as :meth:`home_memory`."""
-        need = self.reserve + self.home_states[None, :, None] + (self.copy[None, :] + b.activations
-                                                                 + b.transient)[:, None, :]
-        same = self.layout_index[:, None] == self.layout_index[None, :]  # [home, strategy] in the home's layout
-        return np.where(same[None], self.home_memory(b)[:, None, :], need)
+        a strategy in the home's own layout (the home, or it with checkpointing toggled) holds no second copy."""
+        key = (b.bound, b.rows)
+        if key not in self._away:
+            need = self._need(b)
+            same = self.layout_index[:, None] == self.layout_index[None, :]  # [home, strategy]
+            worst = np.full((need.shape[0], len(self.space), len(self.space)), -np.inf)
+            for g in range(self.groups):  # per group of ranks: the home's stage there beside the strategy's
+                own = need[:, :, g][:, None, :] + np.where(same, 0.0, self.copy_g[None, :, g])[None]
+                worst = np.maximum(worst, self.states_g[None, :, g, None] + own)
+            self._away[key] = self.reserve + worst
+        return self._away[key]
 
-    def choice(self, b: BucketCost, home: int, strategy: int) -> int | None:
-        """The fastest micro-batch choice under which the bucket fits under ``strategy`` beside ``home``, or None."""
+    def choice(self, b: BucketCost, home: int, strategy: int, *, as_home: bool = False) -> int | None:
+        """The fastest micro-batch choice under which the bucket fits under ``strategy`` beside ``home``, or None
+        (``as_home``: it is the home's bucket, whose update counts)."""
         fits = self.away_memory(b)[:, home, strategy] <= self.budget
-        c, ok = best_fit(fits, b.passes[:, strategy] + b.sync[:, strategy], b.microbatches[:, strategy])
+        seconds = b.passes[:, strategy] + b.sync[:, strategy] + (b.update[:, strategy] if as_home else 0.0)
+        c, ok = best_fit(fits, seconds, b.microbatches[:, strategy])
         return int(c) if ok else None
 
     def bucket_memory(self, b: BucketCost, home: int, strategy: int, choice: int) -> Memory:
-        """What :meth:`away_memory` adds up, by category."""
-        own = Memory(activations=b.activations[choice, strategy], transient=b.transient[choice, strategy],
-                     reserve=self.reserve)
-        if self.layout_index[strategy] == self.layout_index[home]:
-            return self.states[home] + own
-        away = self.states[strategy]
-        return self.states[home] + own + Memory(params=away.params, grads=away.grads)
+        """What :meth:`away_memory` adds up, by category, on the worst group of ranks."""
+        same = self.layout_index[strategy] == self.layout_index[home]
+        totals = self.states_g[home] + self._need(b)[choice, strategy] + (0.0 if same else self.copy_g[strategy])
+        g = int(np.argmax(totals))
+        states = self._stage_memory[home][g]
+        memory = Memory(params=states.params, grads=states.grads, optimizer=states.optimizer,
+                        activations=b.activations[choice, strategy, g], transient=b.transient[choice, strategy, g],
+                        reserve=self.reserve)
+        if not same:
+            away = self._stage_memory[strategy][g]
+            memory = memory + Memory(params=away.params, grads=away.grads)
+        return memory
 
 
 def fastest(costs: SwitchingCostModel, buckets: list[BucketCost]) -> Assignment | None:
     """The fastest home strategy and strategy per bucket (shortest first; the last is the home), or None.
 
     The facilities are *layouts* (:attr:`SwitchingCostModel.layouts`): strategies that differ only in checkpointing
-    share one (one model, switched once, synchronised once), each bucket in it taking the faster variant that fits."""
+    share one (one model, switched once, synchronised once), each bucket in it taking the faster variant that fits.
+    Only the home may offload."""
     size, count = len(costs.space), len(costs.layouts)
     everyone = np.arange(size)
     last = buckets[-1]
-    first, fits = best_fit(costs.home_memory(last) <= costs.budget, last.passes + last.sync, last.microbatches)
-    base = np.where(fits, last.passes[first, everyone] + last.sync[first, everyone] + costs.update, np.inf)
+    first, fits = best_fit(costs.home_memory(last) <= costs.budget, last.passes + last.sync + last.update,
+                           last.microbatches)
+    base = np.where(fits, (last.passes + last.sync + last.update)[first, everyone], np.inf)
     others = buckets[:-1]
     # per bucket k, [home, layout]: the fastest variant of the layout that fits beside the home's states (in the
     # fastest micro-batches that do), its passes and its gradient sync; inf where none fits
@@ -281,7 +219,7 @@ def fastest(costs: SwitchingCostModel, buckets: list[BucketCost]) -> Assignment 
     for b in others:
         first, fits = best_fit(costs.away_memory(b) <= costs.budget, (b.passes + b.sync)[:, None, :],
                                b.microbatches[:, None, :])
-        t = np.where(fits, b.passes[first, everyone[None, :]], np.inf)
+        t = np.where(fits & ~costs.home_only[None, :], b.passes[first, everyone[None, :]], np.inf)
         sync = b.sync[first, everyone[None, :]]
         by_layout = np.stack([np.where(costs.layout_index[None, :] == L, t, np.inf) for L in range(count)])
         pick = np.argmin(by_layout, axis=2).T  # [home, layout]: the variant's index into the space
@@ -331,12 +269,13 @@ def fastest(costs: SwitchingCostModel, buckets: list[BucketCost]) -> Assignment 
 def fastest_single_strategy(costs: SwitchingCostModel, buckets: list[BucketCost]) -> tuple[float, int] | None:
     """(step time, strategy index) of the fastest single strategy that runs every bucket within the budget."""
     everyone = np.arange(len(costs.space))
-    total = costs.update.copy()
-    for b in buckets:
+    total = np.zeros(len(costs.space))
+    for b in buckets[:-1]:
         first, fits = best_fit(costs.home_memory(b) <= costs.budget, b.passes + b.sync, b.microbatches)
         total = np.where(fits, total + b.passes[first, everyone], np.inf)
-    last = buckets[-1]  # one sync, overlapped with the last (longest) bucket's backward
-    chosen, _ = best_fit(costs.home_memory(last) <= costs.budget, last.passes + last.sync, last.microbatches)
-    total = total + last.sync[chosen, everyone]
+    last = buckets[-1]  # one sync, overlapped with the last (longest) bucket's backward, then the update
+    once = last.passes + last.sync + last.update
+    chosen, fits = best_fit(costs.home_memory(last) <= costs.budget, once, last.microbatches)
+    total = np.where(fits, total + once[chosen, everyone], np.inf)
     j = int(np.argmin(total))
     return (float(total[j]), j) if np.isfinite(total[j]) else None

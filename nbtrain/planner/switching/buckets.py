@@ -3,7 +3,7 @@
     >>> prof = nbtrain.profile("llama-7b", batch_size=1, seq_len=4096)
     >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=8), [(4096, 48), (16384, 6), (32768, 2)])
     >>> print(hot.summary())
-    hot switching: 3 buckets · 3 strategies · home tp=8 · fits 76.22 GiB/80.00 GiB ...
+    hot switching: 3 buckets · 3 strategies · home tp=8 · fits ...
     >>> hot.strategies()            # bound → strategy, what nbtrain.run.switching.hot.HotSwitching takes
     >>> print(hot)                  # one row per bucket, the switches, the static plan, the speed-up
 
@@ -34,11 +34,24 @@ gradients (its ``params + grads``), its activations and its largest transient: a
 :mod:`nbtrain.run.switching.hot` frees a layout's copy and gradients when the step leaves it, so no two away layouts
 are resident at once. Plus the cost model's reserve. Every bucket fits.
 
+**Pipelines and offload** (issue 47). A bucket may also run in a pipeline, HotSPa's ``(dp, tp, pp)``: its strategy
+on each stage's ``N / pp`` devices, the stages cut evenly by layer count, 1F1B over its own micro-batches (GPipe
+when there are fewer of them than stages). Such a bucket is priced by ``CostModel.estimate`` of that uniform
+pipelined plan: each stage's layers, the bubble ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (the stages' imbalance included), the
+sends between stages and its gradient sync (a pipeline syncs after each of its buckets); its memory per stage, the
+micro-batches in flight on it; its switches move only the layers of each rank's stage
+(:mod:`nbtrain.planner.switching.switch_cost`). The home alone may offload its update to the CPU
+(``BucketOptions.offload_levels``): its optimizer state then stays on the device for the rest only, and the update's
+CPU time beyond its last bucket's backward is paid (CoTrain's overlap). ``BucketPlan.why`` says, for each pipelined
+bucket, what its pipeline costs beside the fastest strategy without one
+(:mod:`nbtrain.planner.switching.pipeline_note`).
+
 **Search.** For each way to merge adjacent buckets (a merged bucket has the larger bound and
 ``ceil(tokens / bound)`` rows: the shorter rows packed into longer ones, attention then paid over whole rows) and
 each home strategy that fits the longest bucket, the other buckets are partitioned into groups, each group under its
 best strategy (a dynamic program over subsets: exact). Strategies come from ``strategy_space`` (power-of-two
-degrees, tp inside a node and dividing the heads, no tp with a tied embedding), whatever the rows. Up to 6
+degrees, tp inside a node and dividing the heads, no tp with a tied embedding), with and without a pipeline of
+each power-of-two ``pp`` up to the layers (``BucketOptions.max_pp``), whatever the rows. Up to 6
 buckets every merging is tried; beyond (up to 12), adjacent buckets are first merged greedily, the fastest merge
 first, until 6 remain, and the buckets as given are tried too. The *static plan* is the best single strategy for
 every bucket (no switch), with the better of two packings: the buckets as given, or every document in rows of the
@@ -52,181 +65,25 @@ import dataclasses
 import itertools
 import math
 import operator
-from dataclasses import dataclass
 
 import numpy as np
 
 from nbtrain.errors import InvalidArgumentError, NoFeasiblePlanError
-from nbtrain.planner.switching.bucket_search import (Assignment, PredictedSwitch, SwitchingCostModel, fastest,
-                                                    fastest_single_strategy, layout)
-from nbtrain.planner.cost import CostOptions, Memory
-from nbtrain.planner.strategy import Strategy
+from nbtrain.planner.switching.bucket_result import Bucket, BucketOptions, BucketPlan, StaticPlan
+from nbtrain.planner.switching.bucket_search import (Assignment, SwitchingCostModel, fastest, fastest_single_strategy,
+                                                    layout)
+from nbtrain.planner.switching.bucket_strategy import parse_bucket_strategy, pp_of
+from nbtrain.planner.switching.pipeline_note import pipeline_notes
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.result import ModelProfile
-from nbtrain.table import Table
-from nbtrain.units import format_bytes, format_seconds, parse_bytes
+from nbtrain.units import format_bytes, parse_bytes
+
+__all__ = ["Bucket", "BucketOptions", "BucketPlan", "StaticPlan", "plan_buckets", "price_buckets", "merged_rows"]
 
 MAX_EXHAUSTIVE = 6
 """Buckets up to which every way of merging adjacent ones is tried (2^(n−1) of them)."""
 MAX_BUCKETS = 12
 """Buckets the search takes at most (its dynamic program has 3^(n−1) steps)."""
-
-
-@dataclass(frozen=True)
-class BucketOptions:
-    """What :func:`plan_buckets` may choose. No pipeline and no CPU offload: the executor switches neither."""
-
-    allow_ac: bool = True
-    """Activation checkpointing may be chosen (per bucket, for every layer)."""
-    zero_levels: tuple[int, ...] = (2, 3)
-    """ZeRO levels a sharded strategy may take."""
-    max_tp: int | None = None
-    """A cap on the tensor-parallel degree (None: the node's size)."""
-    merge: bool = True
-    """Try merging adjacent buckets (False: the buckets as given)."""
-    cost: CostOptions = CostOptions()
-    """The cost model's knobs (memory reserve, overlap slowdown, gradient bytes)."""
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One bucket of the plan, as it runs each step."""
-
-    lower: int
-    """Lengths above this run here (the previous bucket's bound; 0 for the first)."""
-    bound: int
-    """Tokens per row."""
-    rows: int
-    """Rows of ``bound`` tokens per step (merged buckets: the shorter rows packed, rounded up); the empty rows that
-    pad it to a multiple of its strategy's dp are priced in ``time_s`` and ``memory``, not counted here."""
-    strategy: Strategy
-    """One strategy for every layer while this bucket runs."""
-    time_s: float
-    """Its forward and backward, plus its strategy's gradient sync when it is that strategy's last bucket."""
-    memory: Memory
-    """Bytes per device while it runs: the home layout's states plus what this bucket adds (module docstring)."""
-    merged: int = 1
-    """How many of the given buckets it holds."""
-    microbatches: int = 1
-    """Micro-batches of ``micro_rows`` rows on each rank (gradients accumulated): the fastest that fit."""
-    micro_rows: int = 1
-    """Rows per micro-batch on each rank."""
-
-    @property
-    def tokens(self) -> int:
-        return self.bound * self.rows
-
-
-@dataclass(frozen=True)
-class StaticPlan:
-    """The best single strategy under the same memory budget, with the better of two packings: the buckets as given,
-    or every document packed into rows of the longest bound (one bucket: what a static system such as Megatron-LM
-    does, paying attention over whole rows)."""
-
-    strategy: Strategy
-    step_time_s: float
-    """Σ bucket passes, one gradient sync, the update."""
-    memory_bytes: float
-    """Its largest bucket's memory per device."""
-    bounds: tuple[int, ...] = ()
-    """The row lengths it packs into: the buckets' bounds, or only the longest."""
-    times: tuple[float, ...] = ()
-    """Per bound: its forward and backward (the longest's with the gradient sync)."""
-    micro_rows: tuple[int, ...] = ()
-    """Per bound: rows per micro-batch on each rank."""
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    """Strategies per length bucket, the switches between them and the predicted step, beside the static plan."""
-
-    model: str
-    """The profiled model's name."""
-    num_devices: int
-    buckets: tuple[Bucket, ...]
-    """Shortest first; the last runs under the home strategy."""
-    switches: tuple[PredictedSwitch, ...]
-    """Per step, in the order they run."""
-    update_s: float
-    """The optimizer update in the home layout."""
-    step_time_s: float
-    """Σ bucket times + Σ switch times + the update."""
-    tokens: int
-    """Tokens per step of the buckets as given (merging pads some rows; these are the data's)."""
-    budget_bytes: float
-    """Memory per device the plan was made for."""
-    static: StaticPlan | None
-    """None when no single strategy runs every bucket within the budget."""
-    notes: tuple[str, ...] = ()
-    """What the planner wants the user to know (how it searched many buckets)."""
-
-    @property
-    def home(self) -> Strategy:
-        return self.buckets[-1].strategy
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_time_s
-
-    @property
-    def memory_bytes(self) -> float:
-        return max(b.memory.total for b in self.buckets)
-
-    @property
-    def speedup(self) -> float | None:
-        """Static step time / this plan's step time (None without a static plan)."""
-        return None if self.static is None else self.static.step_time_s / self.step_time_s
-
-    def strategies(self) -> dict[int, Strategy]:
-        """Bucket bound → strategy: what :class:`nbtrain.run.switching.hot.HotSwitching` takes."""
-        return {b.bound: b.strategy for b in self.buckets}
-
-    def micro_rows(self) -> dict[int, int]:
-        """Bucket bound → rows per micro-batch on each rank (HotSwitching's ``micro_rows``): what the memory was
-        planned for, whatever the rows of a step."""
-        return {b.bound: b.micro_rows for b in self.buckets}
-
-    def summary(self) -> str:
-        kinds = len({b.strategy for b in self.buckets})
-        parts = [f"{len(self.buckets)} bucket{'s' * (len(self.buckets) > 1)}",
-                 f"{kinds} strateg{'ies' if kinds > 1 else 'y'}", f"home {self.home}",
-                 f"fits {format_bytes(self.memory_bytes)}/{format_bytes(self.budget_bytes)}",
-                 f"{format_seconds(self.step_time_s)}/step"]
-        if self.static is not None:
-            parts.append(f"{self.speedup:.2f}× over static ({self.static.strategy})")
-        return "hot switching: " + " · ".join(parts)
-
-    def table(self) -> Table:
-        table = Table(["lengths", "rows", "tokens", "strategy", "micro-batches", "time", "memory"], align="lrrlrrr")
-        table.title = f"{self.model or 'model'} on {self.num_devices} devices, one strategy per length bucket"
-        for b in self.buckets:
-            home = " (home)" if b.strategy == self.home else ""
-            table.add(f"({_length(b.lower)}, {_length(b.bound)}]", b.rows, f"{b.tokens:,}", f"{b.strategy}{home}",
-                      f"{b.microbatches} × {b.micro_rows}", format_seconds(b.time_s), format_bytes(b.memory.total))
-        table.footer += [f"switch {s}" for s in self.switches] or ["no switch: every bucket runs in the home layout"]
-        if self.update_s:
-            table.footer.append(f"update in the home layout: {format_seconds(self.update_s)}")
-        table.footer.append(f"predicted: {format_seconds(self.step_time_s)} per step · {self.tokens_per_s:,.0f} "
-                            f"tokens/s · memory {format_bytes(self.memory_bytes)} of "
-                            f"{format_bytes(self.budget_bytes)} per device")
-        if self.static is None:
-            table.footer.append("static plan: no single strategy runs every bucket within the budget")
-        else:
-            s = self.static
-            table.footer.append(f"static plan '{s.strategy}' for every bucket: {format_seconds(s.step_time_s)} per "
-                                f"step, {format_bytes(s.memory_bytes)} per device; speed-up {self.speedup:.2f}×")
-        table.footer += [f"note: {note}" for note in self.notes]
-        return table
-
-    def __str__(self) -> str:
-        return str(self.table())
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-
-def _length(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=None,
@@ -237,8 +94,8 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
 
         >>> hot = plan_buckets(prof, Cluster.from_catalog("A100", num_devices=16), [(4096, 48), (32768, 2)],
         ...                    memory="40GiB")
-        >>> {bound: str(s) for bound, s in hot.strategies().items()}
-        {4096: 'dp_replicate=2 dp_shard=4 zero=2 tp=2', 32768: 'dp_shard=2 zero=2 tp=8 ac=op'}
+        >>> {bound: str(s) for bound, s in hot.strategies().items()}   # the home's update half on the CPU
+        {4096: 'dp_replicate=2 dp_shard=8', 32768: 'dp_shard=2 zero=2 tp=8 ac=op offload=0.5'}
     """
     options = options or BucketOptions()
     if not isinstance(profile, ModelProfile):
@@ -265,9 +122,10 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
 
 def price_buckets(profile: ModelProfile, cluster: Cluster, buckets, strategies, *, memory=None,
                   options: BucketOptions | None = None) -> BucketPlan:
-    """The predicted step of given strategies — ``{bound: Strategy}``, one per bucket of ``buckets`` — priced as
-    :func:`plan_buckets` prices its own (each bucket in the fewest micro-batches that fit, or the most there are when
-    none does), beside the best static plan.
+    """The predicted step of given strategies — ``{bound: strategy}`` (a Strategy, a BucketStrategy or their text,
+    ``"pp=2 tp=2"``), one per bucket of ``buckets`` — priced as :func:`plan_buckets` prices its own (each bucket in
+    the fewest micro-batches that fit, or in those that need the least memory when none does), beside the best
+    static plan.
 
         >>> given = price_buckets(prof, cluster, [(512, 24), (4096, 2)], {512: Strategy(dp_replicate=2),
         ...                                                                4096: Strategy(tp=2)}, memory="4GiB")
@@ -276,14 +134,16 @@ def price_buckets(profile: ModelProfile, cluster: Cluster, buckets, strategies, 
     """
     options = options or BucketOptions()
     given = _checked(buckets)
-    costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options)
     if sorted(strategies) != [bound for bound, _ in given]:
         raise InvalidArgumentError(f"strategies are given for bounds {sorted(strategies)} but the buckets have "
                                    f"{[bound for bound, _ in given]}; give one strategy per bucket")
-    missing = [str(strategies[b]) for b, _ in given if strategies[b] not in costs.space]
-    if missing:
-        raise InvalidArgumentError(f"cannot price {', '.join(missing)}: not among the strategies hot switching runs "
-                                   f"on {cluster.num_devices} devices (no pipeline, no offload; tp dividing the heads)")
+    strategies = {b: parse_bucket_strategy(s, cluster.num_devices) for b, s in strategies.items()}
+    costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options,
+                               extra=tuple(strategies.values()))
+    piped = [str(s) for s in strategies.values() if pp_of(s) > 1]
+    if piped and costs.no_pp:
+        raise InvalidArgumentError(f"cannot run {', '.join(piped)}: pipelines are ruled out for this model "
+                                   f"({costs.no_pp}); give strategies without pp")
     chosen = [costs.space.index(strategies[b]) for b, _ in given]
     found = Assignment(math.nan, chosen[-1], chosen)
     return _plan(costs, given, found, [[b] for b in given], [costs.bucket(b, r) for b, r in given], ())
@@ -344,21 +204,29 @@ def _mergings(parts: list) -> list:
 def _plan(costs: SwitchingCostModel, given, found, grouping, merged, notes) -> BucketPlan:
     space, home, where = costs.space, found.home, costs.layout_index
     last_of = {where[j]: k for k, j in enumerate(found.strategies)}  # each layout syncs after its last bucket
-    buckets, lower = [], 0
+    buckets, choices, lower = [], [], 0
     for k, (group, b, j) in enumerate(zip(grouping, merged, found.strategies)):
-        c = costs.choice(b, home, j)
-        c = len(b.passes) - 1 if c is None else c  # given strategies that do not fit: priced at the most
+        c = costs.choice(b, home, j, as_home=k == len(merged) - 1)
+        if c is None:  # given strategies that do not fit: priced in the micro-batches that need the least
+            c = int(np.argmin(costs.away_memory(b)[:, home, j]))
         seconds = b.passes[c, j] + (b.sync[c, j] if last_of[where[j]] == k else 0.0)
         buckets.append(Bucket(lower, b.bound, b.rows, space[j], float(seconds), costs.bucket_memory(b, home, j, c),
                               merged=len(group), microbatches=int(b.microbatches[c, j]),
                               micro_rows=int(b.micro_rows[c, j])))
+        choices.append(c)
         lower = b.bound
     away = {where[j]: j for j in reversed(found.strategies) if where[j] != where[home]}  # a variant per layout
     order = [away[L] for L in dict.fromkeys(where[j] for j in found.strategies) if L in away]  # as they run
-    switches = tuple(dataclasses.replace(x, source=layout(x.source), target=layout(x.target))
-                     for j in order for x in costs.switches[space[home], space[j]])
-    update = float(costs.update[home])
+    switches = tuple(x for j in order for x in costs.switches(layout(space[home]), layout(space[j])))
+    update = float(merged[-1].update[choices[-1], home])  # the home's, with its offload's excess over its backward
     step = sum(b.time_s for b in buckets) + sum(s.seconds for s in switches) + update
+    why = pipeline_notes(costs, merged, found.strategies, home, choices)
+    return BucketPlan(costs.profile.model, costs.cluster.num_devices, tuple(buckets), switches, update, step,
+                      sum(bound * rows for bound, rows in given), costs.budget, _static(costs, given), notes, why)
+
+
+def _static(costs: SwitchingCostModel, given) -> StaticPlan | None:
+    """The best single strategy (module docstring), with the better of the two packings."""
     alone = None
     one_bucket = [(given[-1][0], merged_rows(given))]
     for packing in (given, one_bucket) if len(given) > 1 else (given,):
@@ -366,14 +234,13 @@ def _plan(costs: SwitchingCostModel, given, found, grouping, merged, notes) -> B
         found_static = fastest_single_strategy(costs, priced)
         if found_static is not None and (alone is None or found_static[0] < alone.step_time_s):
             seconds, j = found_static
-            chosen = [costs.choice(b, j, j) for b in priced]
+            chosen = [costs.choice(b, j, j, as_home=b is priced[-1]) for b in priced]
             need = max(float(costs.home_memory(b)[c, j]) for b, c in zip(priced, chosen))
             times = tuple(float(b.passes[c, j] + (b.sync[c, j] if b is priced[-1] else 0.0))
                           for b, c in zip(priced, chosen))
-            alone = StaticPlan(space[j], seconds, need, tuple(bound for bound, _ in packing), times,
+            alone = StaticPlan(costs.space[j], seconds, need, tuple(bound for bound, _ in packing), times,
                                tuple(int(b.micro_rows[c, j]) for b, c in zip(priced, chosen)))
-    return BucketPlan(costs.profile.model, costs.cluster.num_devices, tuple(buckets), switches, update, step,
-                      sum(bound * rows for bound, rows in given), costs.budget, alone, notes)
+    return alone
 
 
 def _no_fit(costs: SwitchingCostModel, given) -> str:
