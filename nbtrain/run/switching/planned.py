@@ -120,11 +120,13 @@ def given_strategies(plan, bounds: list[int], num_processes: int) -> dict:
 
 def plan_documents(model: nn.Module, documents, *, num_processes: int, plan=None, bounds=None,
                    tokens_per_step: int | None = None, memory=None, cluster: Cluster | None = None, seed: int = 0,
-                   progress=print) -> DocumentPlan:
+                   progress=print, options: BucketOptions | None = None) -> DocumentPlan:
     """The layout ``fit`` trains ``documents`` under (module docstring). ``plan``: None (the planner chooses), one
     strategy (``"dp_shard=2"``) or ``{bound: strategy}``. ``bounds``: the candidate bucket bounds (powers of two;
     default :func:`default_bounds`). ``tokens_per_step``: default 8 rows of the longest bound. ``memory``: the
-    budget per device (default the device's). ``cluster``: where to price it (default: this machine, measured)."""
+    budget per device (default the device's). ``cluster``: where to price it (default: this machine, measured).
+    ``options``: what the planner may choose (:class:`~nbtrain.planner.switching.buckets.BucketOptions`; e.g.
+    ``BucketOptions(max_pp=1)``: no pipelined bucket)."""
     docs = as_documents(documents)
     positive_int(num_processes, f"num_processes must be a positive integer, got {num_processes!r}")
     if isinstance(plan, dict):
@@ -142,15 +144,15 @@ def plan_documents(model: nn.Module, documents, *, num_processes: int, plan=None
     cluster = _cluster(cluster, num_processes, progress)
     prof = _profile(model, cluster, bounds[-1])
     if given is not None:
-        priced = price_buckets(prof, cluster, rows, given, memory=memory)
+        priced = price_buckets(prof, cluster, rows, given, memory=memory, options=options)
         return DocumentPlan(given, priced.micro_rows(), tokens_per_step, num_processes, priced,
                             switching=len(set(given.values())) > 1)
-    hot = plan_buckets(prof, cluster, rows, memory=memory)
+    hot = plan_buckets(prof, cluster, rows, memory=memory, options=options)
     static = hot.static
     if static is not None and hot.speedup < WORTH_SWITCHING:
         strategies = {b: static.strategy for b in static.bounds}
         static_rows = mean_bucket_rows(docs, tokens_per_step=tokens_per_step, bounds=list(static.bounds), seed=seed)
-        chosen = price_buckets(prof, cluster, static_rows, strategies, memory=memory)
+        chosen = price_buckets(prof, cluster, static_rows, strategies, memory=memory, options=options)
         why = (f"switching does not pay here: predicted {format_seconds(hot.step_time_s)} per step with a strategy "
                f"per bucket, {format_seconds(static.step_time_s)} with '{static.strategy}' for all "
                f"({hot.speedup:.2f}×, under {WORTH_SWITCHING}×): training '{static.strategy}'")
