@@ -184,7 +184,9 @@ def test_what_cannot_travel_is_one_line_naming_it_and_nothing_is_written(shell, 
         assert not (tmp_path / "job").exists()
         return str(result.error_in_exec)
 
-    assert shell.run_cell("stream = (b for b in [])\nwidth = 64\nby_step = lambda step: None").success
+    assert shell.run_cell("stream = (b for b in [])\nwidth = 64\nby_step = lambda step: None\n" + TINY.replace(
+        "model =", "built =")).success
+    assert "the cell uses built from earlier cells, which train.py would not have" in refused("", "model = built\n")
     assert "cannot export --data stream: it comes from an earlier cell and is a generator" in refused("--data stream")
     assert "is a lambda, which lives only in the notebook" in refused("--data by_step")
     assert "the cell uses width from earlier cells, which train.py would not have" in refused(
