@@ -1,6 +1,7 @@
 """The planner's memory per device against torch's own count of an FSDP2 step (issue 28, point 7): the oracle.
 
-    PYTHONPATH=. python bench/memory_oracle.py     # ~1 min on 2 cores; the table on stdout
+    PYTHONPATH=. python bench/memory_oracle.py        # ~1 min on 2 cores; the table on stdout
+    PYTHONPATH=. python bench/memory_oracle.py --7b   # issue 45's Llama-7B shape at world 8, ~2 min
 
 torch's ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``) counts every tensor a training step
 allocates on a device, by kind, under ``FakeTensorMode`` with the fake process group at the real world size, so a
@@ -198,6 +199,29 @@ PLANS = ["dp_shard={w}", "dp_shard={w} zero=2", "dp_shard={w} ac", "dp_shard={w}
          "pp=1 mb=2 | dp_shard={w}"]  # the last accumulates gradients over two micro-batches of one sequence
 
 
+LLAMA_7B_PLANS = [("dp_shard=8", 1), ("dp_shard=8 ac", 1), ("dp_shard=8 zero=2", 1), ("dp_shard=8 zero=2 ac", 1),
+                  ("pp=1 mb=2 | dp_shard=8", 2), ("pp=1 mb=2 | dp_shard=8 ac", 2), ("pp=1 mb=2 | dp_shard=8 zero=2", 2),
+                  ("pp=1 mb=2 | dp_shard=8 zero=2 ac", 2)]  # (plan, sequences a device): 1 × 2048 a micro-batch
+
+
+def main_7b() -> None:
+    """Issue 45's shape: :func:`llama_7b` in fp32 at world 8, 1 × 2048 tokens a device per micro-batch (~2 min)."""
+    with torch.device("meta"):
+        model = llama_7b()
+    profile = nbtrain.profile(model, batch_size=1, seq_len=2048, dtype="fp32")
+    t = Table(["plan", "sequences a device", "predicted", "torch counts", "predicted / counted", "counted by kind"],
+              align="lrrrrl")
+    t.title = "Llama-2-7B's shape (transformers, fp32) at world 8: nbtrain's planner against torch's FSDPMemTracker"
+    with fake_world(8):
+        for text, rows in LLAMA_7B_PLANS:
+            plan = Plan.parse(text, num_devices=8, num_layers=len(profile.layers), global_batch=8 * rows,
+                              seq_len=2048)
+            (mine, _), (theirs, kinds) = predicted(plan, profile), counted(llama_7b, plan, 32000)
+            t.add(text, rows, format_bytes(mine), format_bytes(theirs), f"{mine / theirs:.2f}",
+                  " ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items()))
+    print(t)
+
+
 def main() -> None:
     t = Table(["model", "precision", "plan", "predicted", "torch counts", "predicted / counted", "predicted by part",
                "counted by kind"], align="lllrrrll")
@@ -223,4 +247,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_7b() if "--7b" in sys.argv else main()

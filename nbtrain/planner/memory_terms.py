@@ -36,7 +36,10 @@ def model_states(params: float, s: Strategy, dtype_bytes: int) -> tuple[float, f
     """(parameters, gradients, optimizer state) bytes on one device of ``params`` parameters (one TP rank's) under
     ``s`` (Rajbhandari et al. 2020, ZeRO §3): compute-dtype parameters, sharded over ``dp_shard`` under ZeRO-3;
     compute-dtype gradients, sharded; the fp32 master copy and two Adam moments (12 bytes a parameter, 8 when the
-    compute dtype is fp32 and the parameters are the master), sharded, offloaded or not."""
+    compute dtype is fp32 and the parameters are the master), sharded, offloaded or not. Under ZeRO-2 in fp32 the
+    sharded master is held beside the gathered parameters (FSDP2 gathers into buffers of its own: issue 45, 3.1 GiB
+    a device at a Llama-7B shape on 8)."""
     shard, e = s.dp_shard, dtype_bytes
-    return (params * e / (shard if s.zero == 3 else 1), params * e / shard,
+    master = params * 4 / shard if s.zero == 2 and shard > 1 and e == 4 else 0.0
+    return (params * e / (shard if s.zero == 3 else 1) + master, params * e / shard,
             params * (8 + (4 if e < 4 else 0)) / shard)
