@@ -106,6 +106,21 @@ def test_a_switching_run_resumes_under_another_home_layout_with_the_next_loss_it
 
 
 @pytest.mark.slow
+def test_a_switching_run_resumes_into_a_pipelined_home_with_the_losses_of_one_process(tmp_path):
+    """Saved under a sharded home, resumed with the home pipelined ((dp, tp, pp) = (1, 1, 2), each stage loading its
+    layers of the checkpoint) and the short bucket under DDP: the losses one process has over the same batches."""
+    torch.manual_seed(0)
+    model = llama()
+    nbtrain.fit(copy.deepcopy(model), DOCS, plan=SWITCHING, steps=2, num_processes=2, tokens_per_step=TOKENS,
+                lr=LR, progress=False, checkpoint_dir=tmp_path / "run", checkpoint_every=2)
+    resumed = nbtrain.fit(copy.deepcopy(model), DOCS, plan={32: "dp_replicate=2", 128: "pp=2"}, steps=STEPS,
+                          num_processes=2, tokens_per_step=TOKENS, lr=LR, progress=False,
+                          checkpoint_dir=tmp_path / "run", resume=True)
+    assert resumed.resumed_at == 2 and resumed.plan.pp == 2  # trained in the pipelined home
+    assert resumed.losses == pytest.approx(reference(model, [32, 128])[0], rel=1e-4)
+
+
+@pytest.mark.slow
 def test_the_planner_chooses_the_buckets_and_the_run_trains_under_its_choice():
     """No plan: the buckets, strategies and micro-batches are the planner's, for 2 processes of this machine's
     catalog CPU, under a budget; whatever it chose trains as one process does."""
