@@ -8,7 +8,11 @@ budget), a tight 2-device budget, LLaMA-7B on 8 H100s at four budgets, a 16-stag
 and offloads, LLaMA-70B on 64 and 1,024 H100s, and Mixtral-8x7B's shape with expert parallelism on 64. The
 profiles are stored beside the answers, so a change to the profiler cannot move them; a change to the cost model's
 numbers can, and then the file is recorded again with the search of the commit before the change (the search must
-answer as its exhaustive predecessor did, not as itself). Recorded at 9ed82b0, before the speed-up.
+answer as its exhaustive predecessor did, not as itself). Recorded at 9ed82b0, before the speed-up; recorded again
+on 2026-12-05 after the cost model priced a sharded layer's gradient sync every micro-batch and ZeRO-2's fp32 shards
+(acbc608, 10c335c: the executor changed), by the search with its bounds switched off (``Solver.prune = False``:
+every task solved in full, the exhaustive answer; the frontier's exactness is tests/test_frontier.py's). The test
+then checks the bounds against that record, on every case.
 """
 
 from __future__ import annotations
