@@ -58,7 +58,7 @@ def _why(costs, b, j: int, c: int, home: int, lower: int) -> str:
         m = int(b.microbatches[c, j])
         parts.append(f"with a {format_seconds(found.time.bubble)} bubble ({m} micro-batch{'es' * (m > 1)} over "
                      f"{pp_of(s)} stages, the slowest {spread:.2f}× the fastest, "
-                     f"{format_seconds(found.time.pp_comm)} of sends between them)")
+                     f"{format_seconds(found.time.pp_comm)} of sends between them not hidden)")
     parts.append(f"and {format_bytes(_switch_bytes(costs, home, j))} of switches")
     flat = [k for k, t in enumerate(costs.space) if pp_of(t) == 1 and not costs.home_only[k]]
     options = [(k, costs.choice(b, home, k, as_home=k == home)) for k in flat]
