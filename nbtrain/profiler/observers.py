@@ -138,5 +138,14 @@ class SavedBytes:
             self.per_segment[self.segment] += t.untyped_storage().nbytes()
         return t
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage was saved already (or is a parameter's)."""
+        return self._key(t) in self._seen
+
+    def mark(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as saved without charging it: what a block that stands in for its twin
+        (:mod:`nbtrain.profiler.twins`) returns is saved when the twin's output was."""
+        self._seen.add(self._key(t))
+
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)

@@ -1,5 +1,6 @@
 """nbtrain's presets profiled once and read back: ``nbtrain plan llama-70b ...`` profiles the model the first time
-(about 10 s on 2 cores, on fake tensors) and reads the profile back in milliseconds afterwards, without torch.
+(about 4 s on 2 cores, importing torch included, on fake tensors) and reads the profile back in milliseconds
+afterwards, without torch.
 
     >>> prof = preset_profile("gpt-tiny", seq_len=64)      # profiled the first time, read from the cache after
     >>> preset_profile("gpt-tiny", seq_len=64).to_json() == prof.to_json()

@@ -27,6 +27,7 @@ from nbtrain.profiler.kernels import KernelCounter
 from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor, tensors_in
 from nbtrain.profiler.selective import SelectiveCounter
+from nbtrain.profiler.twins import StandInPlan, StandIns
 
 
 @dataclass
@@ -44,6 +45,9 @@ class Step:
     experts: int = 0
     """Experts in each mixture-of-experts layer (:func:`~nbtrain.models.experts.expert_facts`; 0: none): routing
     that depends on the data is counted at the expected load over them (:mod:`nbtrain.profiler.routing`)."""
+    twins: StandInPlan | None = None
+    """Blocks that :func:`count` does not run but gives the figures of a structural twin
+    (:mod:`nbtrain.profiler.twins`; ``None``: every block is counted)."""
 
     @property
     def num_segments(self) -> int:
@@ -59,6 +63,8 @@ class Counts:
     """The segment in which each module first ran (to attribute parameters outside the blocks)."""
     expected_routing: bool = False
     """Whether data-dependent routing was answered with the expected load (:mod:`nbtrain.profiler.routing`)."""
+    stood_in: bool = False
+    """Whether blocks took their twins' figures (:attr:`Step.twins`) rather than being counted."""
 
 
 def call_arguments(inputs, kwargs: dict | None = None) -> tuple[tuple, dict]:
@@ -107,7 +113,20 @@ def _run(step: Step, observers, b: int, s: int, device, params: dict | None):
 
 
 def count(step: Step, b: int, s: int) -> Counts:
-    """FLOPs, saved bytes and output bytes per segment at batch ``b``, length ``s``, without allocating."""
+    """FLOPs, saved bytes and output bytes per segment at batch ``b``, length ``s``, without allocating.
+
+    With ``step.twins``, only a few blocks of each group of twins run and the others take their figures, which are
+    what counting them gives (:mod:`nbtrain.profiler.twins`); where that cannot be vouched for, or the shortened
+    step fails at all, every block is counted."""
+    if step.twins is not None:
+        try:
+            return _count(step, b, s, step.twins)
+        except Exception:  # TwinsDiffer, or a forward that did not take a stand-in: the full count says what fails
+            pass
+    return _count(step, b, s, None)
+
+
+def _count(step: Step, b: int, s: int, twins: StandInPlan | None) -> Counts:
     module_segment: dict[nn.Module, int] = {}
     current = {"segment": 0}
 
@@ -127,6 +146,7 @@ def count(step: Step, b: int, s: int) -> Counts:
         buffers = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in step.model.named_buffers()}
         selective, kernels = SelectiveCounter(), KernelCounter()
         flops, saved = FlopObserver(), SavedBytes(params.values(), also=selective.saved)
+        stand_ins = stack.enter_context(StandIns(step.blocks, twins, saved)) if twins is not None else None
         stack.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(note_module))
         stack.enter_context(flops.counter)
         stack.enter_context(kernels)  # inside the FLOP counter: it sees the ops as they are dispatched
@@ -148,7 +168,10 @@ def count(step: Step, b: int, s: int) -> Counts:
         "recompute_matmul_flops": {i: selective.recomputed_matmul_flops[i] for i in range(n)},
         **kernels.finish(n),
     }
-    return Counts(values, module_segment, expected_routing=routing is not None and routing.used)
+    if stand_ins is not None:
+        stand_ins.fill(values)
+    return Counts(values, module_segment, expected_routing=routing is not None and routing.used,
+                  stood_in=stand_ins is not None)
 
 
 def _output_bytes(tracker: SegmentTracker, out, n: int) -> dict[int, int]:
