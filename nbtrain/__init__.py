@@ -45,11 +45,17 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
+_MODULES = ("data", "models", "planner", "profiler", "run", "notebook")
+"""Parts reached as ``nbtrain.data.WIKIPEDIA`` after a plain ``import nbtrain``, imported when first named."""
+
+
 def __getattr__(name: str):
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value
+    if name in _MODULES:
+        return importlib.import_module(f"nbtrain.{name}")
     raise AttributeError(f"module 'nbtrain' has no attribute {name!r}")
 
 
