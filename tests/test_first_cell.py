@@ -23,6 +23,7 @@ def fresh_machine(monkeypatch, tmp_path):
     """No calibration in this kernel yet and no measured links on this machine; records what gets measured."""
     monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")
     monkeypatch.setattr(hardware, "_CALIBRATED", {})
+    monkeypatch.setattr(collectives, "_REMEASURED", {})  # nor links measured again after an earlier run's miss
     monkeypatch.setenv("NBTRAIN_CACHE_DIR", str(tmp_path))
     measured = []
     real_calibrate = calibration.calibrate

@@ -23,15 +23,20 @@ def slowed(links: Links, factor: float) -> Links:
     return Links(ops, tuple((n, f * factor) for n, f in links.slowdowns))
 
 
-def all_reduce_s(links: Links) -> float:
-    return links.find("all_reduce", 2, 2).seconds(MIB)
+def every_op_s(links: Links) -> float:
+    """Seconds of every measured operation at 1 MiB, summed (one operation's measurement moves up to 2x from one
+    minute to the next on this machine; their sum does not)."""
+    return sum(link.seconds(MIB) for link in links.links)
 
 
-def test_a_calibration_twice_too_slow_is_corrected_by_the_next_run_which_says_so(tmp_path, monkeypatch):
+def test_a_calibration_taken_under_load_is_corrected_by_the_next_run_which_says_so(tmp_path, monkeypatch):
     honest = cached_links(2)  # this machine's, measured once per test session
     monkeypatch.setenv("NBTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(collectives, "_REMEASURED", {})
-    planted = slowed(honest, 2.0)
+    monkeypatch.setenv("NBTRAIN_REMEASURE", "1")  # the suite turns it off (conftest.py)
+    # four times too slow: this machine's own prediction of this 2-process DDP step sits 1.4-1.5x under what it
+    # measures (the gap the issue keeps open), so a cache only twice too slow can land inside the band
+    planted = slowed(honest, 4.0)
     cache_file(2).parent.mkdir(parents=True, exist_ok=True)
     cache_file(2).write_text(json.dumps(planted.to_list()))
 
@@ -47,7 +52,7 @@ def test_a_calibration_twice_too_slow_is_corrected_by_the_next_run_which_says_so
     assert "note: the step measured" in str(first)  # in the step table, under the measured / predicted line
 
     kept = Links.from_list(json.loads(cache_file(2).read_text()))
-    assert all_reduce_s(kept) < 0.8 * all_reduce_s(planted)  # the planted measurement is no longer the one used
+    assert every_op_s(kept) < 0.8 * every_op_s(planted)  # the planted measurement is no longer the one used
     assert dict(kept.slowdowns)[2] < dict(planted.slowdowns)[2]
 
     again = nbtrain.fit(model, batches, plan="dp_replicate=2", steps=6, num_processes=2, progress=False,
@@ -76,3 +81,16 @@ def test_a_described_cluster_far_from_its_prediction_is_not_measured_here():
     catalog = nbtrain.Cluster.from_catalog("H100", num_devices=2)
     note = check_prediction(result, catalog, num_processes=2, model=torch.nn.Linear(2, 2))
     assert "3.00×" in note and "not measured here" in note
+
+
+def test_with_measuring_again_turned_off_a_miss_is_said_and_nothing_is_measured(monkeypatch):
+    from nbtrain.run import prediction_check
+
+    called = []
+    monkeypatch.setattr(collectives, "remeasure_links", lambda *a, **k: called.append(a))
+    monkeypatch.setenv("NBTRAIN_REMEASURE", "0")
+    result = type("Result", (), {"predicted_step_s": 0.100, "measured_step_s": 0.200})()
+    here = nbtrain.Cluster.detect(calibrate=False).replace(source="calibrated")
+    note = prediction_check.check_prediction(result, here, num_processes=2, model=torch.nn.Linear(2, 2))
+    assert "2.00×" in note and "NBTRAIN_REMEASURE=0" in note
+    assert called == []

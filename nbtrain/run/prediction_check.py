@@ -18,10 +18,13 @@ minute only ever slows one down, so the faster is the less disturbed — and dro
 and its calibrated rates, so that the next prediction times them afresh. It does so once per kernel
 and process count: a second miss after that is the cost model's, and the note says so. A described cluster (the
 catalog's figures, or a saved one), a GPU's datasheet rates and an uncalibrated cluster are not measurements to take
-again: the note says what would measure them instead.
+again: the note says what would measure them instead. ``NBTRAIN_REMEASURE=0`` keeps the note and measures nothing
+again (a CI job's runs, whose timings only the job's own load moves).
 """
 
 from __future__ import annotations
+
+import os
 
 from torch import nn
 
@@ -55,6 +58,9 @@ def check_prediction(result, cluster, *, num_processes: int, model: nn.Module, p
     from nbtrain.profiler import hardware, timed
     from nbtrain.profiler.collectives import remeasure_links, remeasured
 
+    if os.environ.get("NBTRAIN_REMEASURE", "1") == "0":
+        return off + ("; measuring this machine again is off (NBTRAIN_REMEASURE=0): "
+                      "nbtrain.profiler.collectives.remeasure_links(num_processes) measures its communication again")
     if remeasured(num_processes) is not None:  # once a kernel: a second miss is the cost model's, not a busy minute
         return off + ("; this machine was measured again after an earlier run in this kernel, so the gap is the cost "
                       "model's (please report it with the plan and the model)")
