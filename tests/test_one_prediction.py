@@ -14,6 +14,10 @@ CELL = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
         "use_cache=False))\n")
 
 
+LAUNCHED = re.compile(r"measured step time \(median after the first\): [0-9.]+ [µm]?s · predicted: ([0-9.]+ [µm]?s)")
+"""The launch's step table: its predicted step."""
+
+
 @pytest.fixture(autouse=True)
 def noninteractive(monkeypatch):
     monkeypatch.setenv("NBTRAIN_NONINTERACTIVE", "1")
@@ -27,8 +31,7 @@ def test_the_plan_table_and_the_launch_print_the_same_predicted_step(shell, caps
     assert result.success, result.error_in_exec
     out = capsys.readouterr().out
     planned = re.search(r"^predicted: ([0-9.]+ [µm]?s) per step", out, re.M)
-    launched = re.search(r"measured step time \(median after the first\): [0-9.]+ [µm]?s · predicted: "
-                         r"([0-9.]+ [µm]?s)", out)
+    launched = LAUNCHED.search(out)
     assert planned and launched, out
     assert planned.group(1) == launched.group(1), out
     label = "your plan" if strategy else "recommended"
@@ -53,8 +56,7 @@ def test_with_data_the_table_plans_the_batches_the_launch_trains_on(shell, capsy
     assert result.success, result.error_in_exec
     out = capsys.readouterr().out
     planned = re.search(r"^predicted: ([0-9.]+ [µm]?s) per step .* memory ([0-9.]+ [KMG]?i?B) of", out, re.M)
-    launched = re.search(r"measured step time \(median after the first\): [0-9.]+ [µm]?s · predicted: "
-                         r"([0-9.]+ [µm]?s)", out)
+    launched = LAUNCHED.search(out)
     memory = re.search(r"predicted per device: ([0-9.]+ [KMG]?i?B)", out)
     assert planned and launched and memory, out
     assert planned.group(1) == launched.group(1), out

@@ -256,19 +256,29 @@ def cached_links(world_size: int, *, measure: bool = True, progress=print) -> Li
     """This machine's links for ``world_size`` processes: read from :func:`cache_file`, else measured once (saying
     so through ``progress``) and kept there; ``None`` when not cached and ``measure=False``."""
     path = cache_file(world_size)
-    try:
-        return Links.from_list(json.loads(path.read_text()))
-    except (OSError, ValueError, InvalidArgumentError):
-        if not measure:
-            return None
+    cached = _read(path)
+    if cached is not None or not measure:
+        return cached
     if progress:
         progress(f"Measuring this machine's communication among {world_size} processes, once per machine "
                  f"(~{10 * world_size} s; kept in {path}; --no-calibrate or a described cluster skips it)")
-    links = measure_in_subprocess(world_size)
+    return _keep(path, measure_in_subprocess(world_size))
+
+
+def _read(path: Path) -> Links | None:
+    """The links kept in ``path``; None when there are none or they cannot be read."""
+    try:
+        return Links.from_list(json.loads(path.read_text()))
+    except (OSError, ValueError, InvalidArgumentError):
+        return None
+
+
+def _keep(path: Path, links: Links) -> Links:
+    """``links`` written to ``path`` (a read-only home: measured again next time, nothing lost), and returned."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(links.to_list()) + "\n")
-    except OSError:  # a read-only home: measured again next time, nothing lost
+    except OSError:
         pass
     return links
 
@@ -288,18 +298,11 @@ def remeasure_links(world_size: int, *, progress=print) -> Links:
     of the new and the cached measurement (:meth:`Links.least_disturbed`): what a run whose step was far from its
     prediction does, so that a measurement taken in a busy minute does not stay for good."""
     path = cache_file(world_size)
-    try:
-        cached = Links.from_list(json.loads(path.read_text()))
-    except (OSError, ValueError, InvalidArgumentError):
-        cached = Links()
+    cached = _read(path)
+    cached = Links() if cached is None else cached
     if progress:
         progress(f"Measuring this machine's communication among {world_size} processes again (~{10 * world_size} s; "
                  f"the faster of this and the cached measurement is kept in {path})")
     links = cached.least_disturbed(measure_in_subprocess(world_size))
     _REMEASURED[world_size] = links
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(links.to_list()) + "\n")
-    except OSError:
-        pass
-    return links
+    return _keep(path, links)

@@ -374,3 +374,9 @@ def _check_fields(keys, where: str, exclude: tuple[str, ...] = ()) -> None:
     if unknown:
         raise InvalidArgumentError(f"{where}() got unknown field{'s' if len(unknown) > 1 else ''} "
                                    f"{', '.join(map(repr, unknown))}; valid fields: {', '.join(valid)}")
+
+
+def forget_rates(device: str = "cpu") -> None:
+    """Drop this process's calibrated rates of ``device``, so that the next :meth:`Cluster.this_machine` measures
+    them again (a run far from its prediction: :mod:`nbtrain.run.prediction_check`)."""
+    _CALIBRATED.pop(device, None)

@@ -43,3 +43,11 @@ def timed_profile(model: nn.Module, *, batch_size: int, seq_len: int | None, inp
             _CACHE[key] = profile(model, batch_size=batch_size, seq_len=seq_len, dtype=dtype, measure=device,
                                   inputs=inputs, loss_fn=loss_fn, tp_plan=tp_plan)
     return _CACHE[key]
+
+
+def forget(model: nn.Module) -> None:
+    """Drop every timed profile of ``model``'s structure, so that the next one times its layers afresh (a run far
+    from its prediction: :mod:`nbtrain.run.prediction_check`)."""
+    key = structure_key(model)
+    for cached in [k for k in _CACHE if k[0] == key]:
+        del _CACHE[cached]

@@ -69,10 +69,8 @@ def check_prediction(result, cluster, *, num_processes: int, model: nn.Module, p
             remeasure_links(num_processes, progress=progress)
         except Exception as error:  # noqa: BLE001 — a note, never a failed run
             return off + f"; measuring this machine's communication again failed ({type(error).__name__}: {error})"
-    key = timed.structure_key(model)
-    for cached in [k for k in timed._CACHE if k[0] == key]:
-        del timed._CACHE[cached]
-    hardware._CALIBRATED.pop("cpu", None)
+    timed.forget(model)
+    hardware.forget_rates("cpu")
     return off + ("; this machine's communication was measured again (the faster of that and the cached "
                   "measurement kept, per operation), and its compute and this model's layers will be timed again: "
                   "the next prediction uses them")
