@@ -12,7 +12,7 @@ from tests.distributed_fixtures import (distributed_losses, gpt, hf_gpt2, hf_lla
 
 TWO = ["dp_replicate=2", "dp_shard=2 zero=2", "dp_shard=2", "dp_shard=2 ac", "tp=2", "tp=2 ac",
        "0-1: dp_shard=2 ac; 2-3: dp_shard=2 zero=2", "mb=2 | dp_shard=2", "mb=4 | tp=2",
-       "pp=2 mb=2 schedule=gpipe", "pp=2 mb=4 schedule=1f1b", "pp=2 mb=2 stages=1+3 | 0-3: dp_replicate=1 ac",
+       "pp=2 mb=1 schedule=gpipe", "pp=2 mb=4 schedule=1f1b", "pp=2 mb=2 stages=1+3 | 0-3: dp_replicate=1 ac",
        "0: dp_shard=2; 1-2: tp=2 ac; 3: dp_replicate=2"]
 FOUR = ["dp_shard=2 tp=2", "dp_replicate=2 dp_shard=2", "dp_replicate=2 tp=2 ac", "pp=2 mb=2 | dp_shard=2",
         "pp=2 mb=4 | tp=2 ac", "0: dp_shard=4; 1: dp_shard=2 tp=2 ac; 2: dp_replicate=2 tp=2; 3: dp_shard=4",

@@ -62,3 +62,12 @@ def test_spread_experts_stay_spread_over_the_data_parallel_ranks_left():
     big = Plan.parse("dp_replicate=2 dp_shard=32 ep=8", num_devices=64, num_layers=4)
     assert str(scale_plan(big, 2)) == "dp_shard=2 ep=2"
     assert str(scale_plan(big, 1)) == "dp_replicate=1"  # one device: no rank to spread over
+
+
+def test_a_gpipe_plan_with_fewer_micro_batches_than_stages_runs_as_planned():
+    """The search offers GPipe with m < pp (1F1B cannot run it); the launch of that plan on its own devices must run
+    the plan the table priced, not one with a micro-batch per stage (CI caught the table at mb=1, the launch at mb=2)."""
+    plan = parse("pp=2 mb=1 schedule=gpipe | dp_replicate=1", 2, layers=4)
+    same = scale_plan(plan, 2, global_batch=6, seq_len=24)
+    assert (same.pp, same.microbatches, same.schedule) == (2, 1, "gpipe")
+    assert scale_plan(parse("pp=2 mb=2 | dp_replicate=1", 2, layers=4), 2).microbatches == 2  # 1F1B keeps m ≥ pp

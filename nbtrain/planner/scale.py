@@ -9,7 +9,8 @@ pipeline (``pp``, whose stages merge pairwise), then ``dp_replicate``, then ``dp
 inner axes are the ones that change how a layer computes (a tensor-parallel matmul, a sharded optimizer), so a
 small run keeps as much of them as it can; checkpointing, ZeRO level, offload and schedule stay as planned, expert
 parallelism over as many data-parallel ranks as are left (``dp_shard=32 ep=8`` on 2 devices: ``dp_shard=2 ep=2``), and
-micro-batches shrink with the pipeline (as many per stage as planned: they were there to fill its bubble). A plan for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
+micro-batches shrink with the pipeline (as many per stage as planned: they were there to fill its bubble; a GPipe
+plan with fewer micro-batches than stages keeps its count, which the search chose and the executor runs). A plan for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def scale_plan(plan: Plan, num_devices: int, *, global_batch: int | None = None,
         stages = [stages[i] + stages[i + 1] for i in range(0, len(stages), 2)]
     per_stage = num_devices // pp
     layers = tuple(_scale_strategy(s, per_stage) for s in plan.layers)
-    mb = max(pp, plan.microbatches * pp // plan.pp)  # as many micro-batches per stage as planned
+    mb = max(1, plan.microbatches * pp // plan.pp)  # as many micro-batches per stage as planned
+    if pp > 1 and plan.schedule != "gpipe":
+        mb = max(mb, pp)  # 1F1B runs at least one micro-batch per stage; GPipe runs any count, as planned
     rows = global_batch or mb * max(s.dp for s in layers)
     return plan.replace(num_devices=num_devices, layers=layers, pp=pp, stages=tuple(stages), microbatches=mb,
                         global_batch=rows, seq_len=seq_len or plan.seq_len)
