@@ -193,3 +193,36 @@ def test_blocks_that_cannot_stand_in_for_their_twins_are_all_counted(make):
     (stood_in, values, _, _), (_, every, _, _) = counts_both_ways(model, seq=16)
     assert not stood_in
     assert values == every
+
+
+def lora_llama():
+    """peft's LoRA on a transformers Llama, as a fine-tuning notebook builds it: the base frozen, adapters on q and v."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(hf_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_a_lora_models_blocks_are_twins_and_a_few_of_them_count_what_every_block_does(monkeypatch):
+    """peft keeps each adapter layer's path (``kwargs["target_name"]``, ``model.layers.3.self_attn.q_proj``): that
+    names a block, as ``layer_idx`` does. Its first block differs from the others (after the frozen embedding it
+    computes no input gradient), so the probes run two blocks; a 7B LoRA profiled every block took 20-45 s here."""
+    pytest.importorskip("peft")
+    lora = lora_llama()
+    assert set(block_groups(lora, detect_family(lora).blocks(lora))) == {0}
+    probed = []
+    real_fit_segments = profiler_model._fit_segments
+
+    def fit_segments(step):
+        probed.append(len(step.blocks))
+        return real_fit_segments(step)
+
+    monkeypatch.setattr(profiler_model, "_fit_segments", fit_segments)
+    fast = nbtrain.profile(lora, seq_len=any_models.LONG, dtype="fp32")
+    assert probed[-1] == 2, probed  # the shortcut was taken: two blocks stood for seven
+    monkeypatch.setattr(profiler_model, "stand_in_plan", lambda groups: None)
+    monkeypatch.setattr(profiler_model, "_only_blocks", None)  # every block counted and probed
+    full = nbtrain.profile(lora, seq_len=any_models.LONG, dtype="fp32")
+    assert probed[-1] == 7
+    assert fields(fast) == fields(full)
+    trained = [layer.trained_params for layer in fast.layers]
+    assert 0 == trained[0] < trained[1] == trained[7] and trained[-1] == 0  # adapters only, in every block

@@ -128,20 +128,26 @@ def _fit(step: Step, asked: Counts, b: int, s: int) -> list[dict[str, Scaling]]:
     """Count six small shapes and fit each layer's quantities as polynomials in batch and length.
 
     Identical blocks usually cost the same, so the probes first run the model with one block of each kind (a 70B
-    model's 80 blocks become one). Where that is not so (blocks that reuse a tensor an earlier block saved, such as
+    model's 80 blocks become one), then with two (the first of a kind may differ: after a frozen embedding, as under
+    LoRA, it computes no input gradient). Where that is not so (blocks that reuse a tensor an earlier block saved, such as
     Hugging Face's shared RoPE tables) or the forward does not allow it, the fits miss the counted shape ``(b, s)``
     and the probes count all blocks (running a few of each group of twins where ``step.twins`` says so:
     :mod:`nbtrain.profiler.twins`).
     """
-    first_of: dict[tuple, int] = {}
-    rep = [first_of.setdefault(_signature(block), i) for i, block in enumerate(step.blocks)]
-    keep = sorted(set(rep))
-    if step.blocks and len(keep) < len(step.blocks):
+    kinds: dict[tuple, list[int]] = {}
+    for i, block in enumerate(step.blocks):
+        kinds.setdefault(_signature(block), []).append(i)
+    for first in (1, 2):  # one block of each kind; else two, the second standing in for the rest (a frozen
+        # embedding: the first trained block computes no input gradient, the others do, as under LoRA)
+        keep = sorted(i for members in kinds.values() for i in members[:first])
+        if not step.blocks or len(keep) >= len(step.blocks):
+            break
+        rep = {i: members[min(k, first - 1)] for members in kinds.values() for k, i in enumerate(members)}
         try:
             with _only_blocks(step, keep) as reduced:
                 fits = _fit_segments(reduced)
-            # full layer i in the reduced model: embed 0, block j -> its kind's block, head last
-            fits = [fits[0], *(fits[keep.index(r) + 1] for r in rep), fits[-1]]
+            # full layer i in the reduced model: embed 0, block j -> its kind's kept block, head last
+            fits = [fits[0], *(fits[keep.index(rep[i]) + 1] for i in range(len(step.blocks))), fits[-1]]
             if all(fit[q](b, s) == asked.values[q][i] for i, fit in enumerate(fits) for q in QUANTITIES):
                 return fits
         except Exception:

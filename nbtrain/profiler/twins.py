@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 import types
 from dataclasses import dataclass, field
 
@@ -108,6 +109,17 @@ def _counts_blocks(values: dict[int, object]) -> bool:
     return len({v[1] - i for i, v in values.items()}) == 1
 
 
+def _own_path_unnamed(value, index: int):
+    """``value`` (as :func:`_plain` gives it) with the block's own place in a dotted module path written ``#``:
+    peft keeps each adapter layer's full name (``kwargs["target_name"] = "blocks.1.attn.q"``), which names the block
+    and says nothing of what it computes, as ``layer_idx`` does."""
+    if isinstance(value, tuple):
+        if len(value) == 2 and value[0] == "str" and isinstance(value[1], str):
+            return "str", re.sub(rf"(?<![0-9])\.{index}(?=\.|$)", ".#", value[1])
+        return tuple(_own_path_unnamed(v, index) for v in value)
+    return value
+
+
 def _configs(model: nn.Module, blocks: list[nn.Module]) -> list:
     """The configs the model's modules outside its blocks hold (and the configs they nest), each once."""
     inside = {id(m) for block in blocks for m in block.modules()}
@@ -143,7 +155,8 @@ def block_groups(model: nn.Module, blocks: list[nn.Module]) -> list[int]:
         for t in (*block.modules(), *block.parameters(), *block.buffers()):
             if owners.setdefault(id(t), i) != i:  # shared weights: their gradients add up across blocks
                 return list(range(n))
-    attributes = [_attributes(block) for block in blocks]
+    attributes = [{key: _own_path_unnamed(value, i) for key, value in _attributes(block).items()}
+                  for i, block in enumerate(blocks)]
     by_name: dict[tuple[str, str], dict[int, object]] = {}
     for i, attrs in enumerate(attributes):
         for key, value in attrs.items():
