@@ -139,6 +139,25 @@ def test_frozen_weights_sync_and_update_nothing_and_a_frozen_layer_neither_syncs
     assert (full_update, lora_update) == pytest.approx((P_BLOCK / 8 / 1e9, 100_000 / 8 / 1e9), rel=EXACT)
 
 
+def test_more_than_one_device_waits_once_a_step_for_the_all_reduce_of_the_loss():
+    """The trainer sums the step's loss over every rank and reads it on the host: one collective a step that no
+    gradient sync holds (a pipeline without data parallelism has only it). Measured here as a gloo scalar all-reduce
+    costs about its smallest measured size (64 KiB: a line through 64 KiB-8 MiB undercuts that floor)."""
+    from nbtrain.profiler.collectives import Link, Links
+
+    reduce = Link("all_reduce", 2, 2, latency_s=1e-4, bandwidth=1.4e9,
+                  points=((65536, 4.5e-4), (524288, 5.1e-4), (2097152, 1.2e-3), (8388608, 6.3e-3)))
+    measured = cost_model(devices=2, device="cpu", links=Links((reduce,)), options=CostOptions(
+        headroom=0, reserve_bytes=0, clip=False))
+    assert measured.loss_sync() == 4.5e-4
+    pipeline = Plan(num_devices=2, layers=(S(),) * 4, pp=2, microbatches=4, global_batch=16)
+    assert measured.estimate(pipeline).time.dp_comm == pytest.approx(4.5e-4, rel=EXACT)  # once, whatever m
+    # a catalog cluster: the collective's latency within the node, across nodes where the devices span them
+    assert cost_model(devices=8, collective_latency_s=6e-6).loss_sync() == 6e-6
+    assert cost_model(devices=16, devices_per_node=8, inter_node_latency_s=25e-6).loss_sync() == 25e-6
+    assert cost_model(devices=1, collective_latency_s=6e-6).loss_sync() == 0.0
+
+
 def test_a_lora_run_fits_where_full_training_of_the_same_model_fits_only_with_its_update_on_the_cpu():
     # one device, nothing reserved, a budget of 6 bytes a weight: LoRA holds 2 a weight (bf16), and for its trained
     # adapters 14 more (bf16 gradients 2, fp32 master and moments 12); full training holds 16 a weight, or 4 with

@@ -46,6 +46,9 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   reduce-scatter (+ all-gather of the updated shard for ZeRO-2) over ``dp_shard`` and an all-reduce of the shard
   over ``dp_replicate``. It overlaps with backward: a layer's collective runs while the layer before it computes
   its backward, slowed by contention (Galvatron measures ×1.3); only the excess shows.
+* **The loss's all-reduce**, once per step on more than one device: the executor sums the step's loss over every
+  rank and reads it on the host (:meth:`CostModel.loss_sync`, priced with the layer that computes the loss); on
+  this 2-core machine a gloo scalar all-reduce costs 0.5-0.8 ms of a 2-process step (``bench/ddp_overhead.py``).
 * **CPU update offload**: the offloaded fraction's AdamW runs on the host at the node's rate shared by its
   devices, its gradients down and parameters up over PCIe in the compute dtype (as Reflow sends them). CoTrain
   (Liu et al. 2023) overlaps both with backward: a layer's update starts when its gradients are ready, so only the
@@ -154,6 +157,19 @@ class CostModel(LayerTerms):
         c = self.cluster
         return c.collective_latency_s if span <= c.devices_per_node else c.inter_node_latency_s
 
+    def loss_sync(self) -> float:
+        """Seconds of the executor's all-reduce of the step's loss over every device (``trainer.step``: one number,
+        which the host then reads, so the step waits for it), once a step: the smallest all-reduce measured here
+        (a line fitted through 64 KiB to 8 MiB reads under a scalar's floor on gloo: 0.1 ms where 64 KiB took
+        0.45), else the collective's latency over the cluster. 0 on one device."""
+        world = self.cluster.num_devices
+        if world <= 1:
+            return 0.0
+        link = self.links.find("all_reduce", world, world)
+        if link is not None:
+            return min(seconds for _, seconds in link.points) if link.points else link.latency_s
+        return self._latency(world)
+
     def micro_batch(self, strategy: Strategy, microbatches: int) -> float:
         """Sequences per device per micro-batch."""
         return self.global_batch / (microbatches * strategy.dp)
@@ -230,7 +246,9 @@ class CostModel(LayerTerms):
             spread.params / s.ep / spread.strategy.dp_shard * shard if spread else 0.0)), bwd)
         # once a step, spread over the schedule's pp + m − 1 slots (the module docstring's "Pipeline"); the
         # reduce-scatters of every micro-batch but the last, each micro-batch
-        per_step = Time(dp_comm=dp_comm - dp_each, offload=offload, update=update).scaled(1 / (microbatches + pp - 1))
+        loss_sync = self.loss_sync() if index == len(self.profile.layers) - 1 else 0.0  # with the loss's layer
+        per_step = Time(dp_comm=dp_comm - dp_each + loss_sync, offload=offload,
+                        update=update).scaled(1 / (microbatches + pp - 1))
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm, dp_comm=dp_each) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
         if pp > 1 and index == len(self.profile.layers) - 1 and prof.tied:  # the last stage's copy of the embedding

@@ -1,7 +1,7 @@
 """Show a plan: a table with one row per pipeline stage, a one-line summary, and the comparison with baselines.
 
     >>> print(best.summary())
-    recommended: pp=2 · dp_replicate=1 · dp_shard=1 · tp=4 · sp on 32/34 · ac on 30/34 · offload 0% · fits 16.00 GiB/16.00 GiB · 1.95 s/step
+    recommended: pp=2 · dp_replicate=1 · dp_shard=1 · tp=4 · sp on 31/34 · ac on 30/34 · offload 0% · fits 16.00 GiB/16.00 GiB · 1.95 s/step
     >>> print(best.table())
     >>> print(comparison_table(best, baselines(profile, cluster, global_batch=64)))
 """
