@@ -10,7 +10,7 @@ points were taken as ``backward apart`` (``bench/finetune_prediction.py``). Per 
 - ``all_reduce``: the gradient bytes of the test model (a transformers Qwen2 of 0.14 M parameters, 560 KB) reduced
   alone after a barrier, the way the link benchmark's ``all_reduce`` points are taken;
 - ``backward apart``: what DDP adds to a backward, a forward and a backward timed apart with gradients left to
-  accumulate (``_added``: how the link benchmark measured ``ddp_backward`` until this bench), at those bytes;
+  accumulate (``link_timing.added_seconds``: how the link benchmark measured ``ddp_backward`` until this bench), at those bytes;
 - ``whole steps``: what DDP adds to a whole step of those Linear layers (forward, backward, fused AdamW, gradients
   set to None), one step of each back to back, 9 times;
 - ``linear loop``: the same steps, 25 plain then 25 under DDP, the difference of the medians;
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from nbtrain.profiler.link_bench import _added  # noqa: E402
+from nbtrain.profiler.link_timing import added_seconds  # noqa: E402
 from nbtrain.run.launch.workers import launch  # noqa: E402
 from nbtrain.table import Table  # noqa: E402
 
@@ -120,7 +120,7 @@ def _round() -> dict[str, float]:
     width = int((nbytes / 16) ** 0.5)  # 4 Linear(width, width) layers of the same gradient bytes
     plain = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(4)))
     x = torch.randn(256, width)
-    out["backward apart"] = _added(plain, DistributedDataParallel(copy.deepcopy(plain)), x)[1] * 1e3
+    out["backward apart"] = added_seconds(plain, DistributedDataParallel(copy.deepcopy(plain)), x)[1] * 1e3
     out["whole steps"] = _alternating_steps(plain, DistributedDataParallel(copy.deepcopy(plain)), x)
     linear_alone = _median_ms(_linear_step(plain, x))
     out["linear loop"] = _median_ms(_linear_step(DistributedDataParallel(copy.deepcopy(plain)), x)) - linear_alone

@@ -20,6 +20,9 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.profiler.calibrate import run_spawned
 from nbtrain.profiler.collectives import Links, links_from
+from nbtrain.profiler.link_bench_experts import expert_dispatch
+from nbtrain.profiler.link_timing import (REPEATS, added_seconds, group_sizes, median_seconds, once_seconds,
+                                          slowest_rank)
 
 COLLECTIVE_SIZES = (64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 LAYER_WIDTHS = (128, 256, 512)  # Linear(h, h) layers of 64 KiB, 256 KiB, 1 MiB in fp32 for the FSDP2 overhead
@@ -28,37 +31,12 @@ TP_BLOCKS = ((4, 64, 128), (8, 128, 128), (8, 128, 256))  # (batch, seq, hidden)
 DDP_WIDTHS = (256, 512, 768)  # 4 Linear(h, h) layers: 1, 4 and 9 MiB of fp32 gradients
 PP_WIDTHS = (64, 256, 1024)  # a micro-batch of 4 × 32 tokens of width h: 32 KiB to 512 KiB sent between stages
 PP_MICROBATCHES = (2, 8)
-EP_WIDTHS = (64, 128, 256)  # 256 tokens, 2 of 8 experts each, of width h: 128 KiB to 512 KiB dispatched a rank
-REPEATS = 9
-
-
-def _timed(step, barrier, repeats: int = REPEATS) -> float:
-    """Median seconds of ``step`` over ``repeats``, each started together (a barrier first), after a warm-up."""
-    step()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def _slowest(value: float) -> float:
-    """The largest of every rank's ``value``: a collective ends when its slowest member does."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _groups(world: int) -> list[int]:
-    return [k for k in (2, 4, 8, 16) if k <= world and world % k == 0]
 
 
 def _collectives(world: int) -> list[tuple[str, int, int, float]]:
     """Inside a spawned worker: (op, group, bytes, seconds) for each plain collective."""
     rank, found = dist.get_rank(), []
-    for k in _groups(world):
+    for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         group, local = mesh.get_group("g"), mesh.get_local_rank("g")
         ranks = dist.get_process_group_ranks(group)
@@ -77,37 +55,9 @@ def _collectives(world: int) -> list[tuple[str, int, int, float]]:
                        (lambda: dist.recv(whole, pair, group=None)),
             }
             for op, step in steps.items():
-                found.append((op, k, nbytes, _slowest(_timed(step, dist.barrier))))
+                found.append((op, k, nbytes, slowest_rank(median_seconds(step, dist.barrier))))
     del rank
     return found
-
-
-def _once(step) -> float:
-    dist.barrier()
-    started = time.perf_counter()
-    step()
-    return time.perf_counter() - started
-
-
-def _added(plain, wrapped, x, compute_share: float = 1.0) -> tuple[float, float]:
-    """Seconds ``wrapped`` adds to ``plain``'s forward and backward on ``x`` (``plain``'s times × ``compute_share``:
-    the part of its compute each rank still does), this rank's median over rounds that time both back to back,
-    so that a slow second of a shared machine slows both sides of a difference alike."""
-    def forward(model):
-        return lambda: model(x)
-
-    def step(model):
-        return lambda: model(x).sum().backward()
-
-    for model in (plain, wrapped):  # warm-up: allocation, lazy initialisation, the first gloo connections
-        step(model)()
-    fwd, bwd = [], []
-    for _ in range(REPEATS):
-        base_f, base_s = _once(forward(plain)), _once(step(plain))
-        f, whole = _once(forward(wrapped)), _once(step(wrapped))
-        fwd.append(f - base_f * compute_share)
-        bwd.append((whole - f) - (base_s - base_f) * compute_share)
-    return max(0.0, statistics.median(fwd)), max(0.0, statistics.median(bwd))
 
 
 def _fsdp_layers(world: int) -> list[tuple[str, int, int, float]]:
@@ -115,7 +65,7 @@ def _fsdp_layers(world: int) -> list[tuple[str, int, int, float]]:
     from torch.distributed.fsdp import fully_shard
 
     found, layers = [], 4
-    for k in _groups(world):
+    for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for h in LAYER_WIDTHS:
             torch.manual_seed(0)
@@ -126,13 +76,13 @@ def _fsdp_layers(world: int) -> list[tuple[str, int, int, float]]:
                 for layer in sharded:
                     fully_shard(layer, mesh=mesh["g"], reshard_after_forward=zero == 3)
                 fully_shard(sharded, mesh=mesh["g"], reshard_after_forward=zero == 3)
-                fwd, bwd = _added(plain, sharded, x)
+                fwd, bwd = added_seconds(plain, sharded, x)
                 nbytes = h * h * 4
                 if zero == 3:
-                    found.append(("fsdp_forward", k, nbytes, _slowest(fwd / layers)))
-                    found.append(("fsdp_backward", k, nbytes, _slowest(bwd / layers)))
+                    found.append(("fsdp_forward", k, nbytes, slowest_rank(fwd / layers)))
+                    found.append(("fsdp_backward", k, nbytes, slowest_rank(bwd / layers)))
                 else:
-                    found.append(("fsdp_backward_2", k, nbytes, _slowest(bwd / layers)))
+                    found.append(("fsdp_backward_2", k, nbytes, slowest_rank(bwd / layers)))
     return found
 
 
@@ -141,17 +91,17 @@ def _tp_pairs(world: int) -> list[tuple[str, int, int, float]]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     found = []
-    for k in _groups(world):
+    for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for tokens, h in TP_SHAPES:
             torch.manual_seed(0)
             plain = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
             x = torch.randn(tokens, h)
             split = parallelize_module(copy.deepcopy(plain), mesh["g"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            fwd, bwd = _added(plain, split, x, compute_share=1 / k)
+            fwd, bwd = added_seconds(plain, split, x, compute_share=1 / k)
             nbytes = tokens * h * 4
-            found.append(("tp_forward", k, nbytes, _slowest(fwd)))
-            found.append(("tp_backward", k, nbytes, _slowest(bwd)))
+            found.append(("tp_forward", k, nbytes, slowest_rank(fwd)))
+            found.append(("tp_backward", k, nbytes, slowest_rank(bwd)))
     return found
 
 
@@ -165,7 +115,7 @@ def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
     from nbtrain.models.tensor_parallel import style_for
 
     found = []
-    for k in [k for k in _groups(world) if k <= 4]:  # 4 heads: split at most 4 ways
+    for k in [k for k in group_sizes(world) if k <= 4]:  # 4 heads: split at most 4 ways
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for batch, seq, h in TP_BLOCKS:
             model = _gpt_block_model(seq, h)
@@ -174,10 +124,10 @@ def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
                 module = split.get_submodule(name)
                 parallelize_module(module, mesh["g"], style_for(module, style))
             x = torch.randn(batch, seq, h)
-            fwd, bwd = _added(model.blocks[0], split.blocks[0], x, compute_share=1 / k)
+            fwd, bwd = added_seconds(model.blocks[0], split.blocks[0], x, compute_share=1 / k)
             nbytes = batch * seq * h * 4
-            found.append(("tp_block_forward", k, nbytes, _slowest(fwd)))
-            found.append(("tp_block_backward", k, nbytes, _slowest(bwd)))
+            found.append(("tp_block_forward", k, nbytes, slowest_rank(fwd)))
+            found.append(("tp_block_backward", k, nbytes, slowest_rank(bwd)))
             found.append(("tp_clip", k, _param_bytes(model.blocks[0]), _clip(split.blocks[0], x)))
     return found
 
@@ -201,7 +151,7 @@ def _clip(block, x) -> float:
 
     block(x).sum().backward()
     params = list(block.parameters())
-    return _slowest(_timed(lambda: clip_grad_norm(params, 1e-3), dist.barrier))
+    return slowest_rank(median_seconds(lambda: clip_grad_norm(params, 1e-3), dist.barrier))
 
 
 def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
@@ -210,7 +160,7 @@ def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
     from torch.distributed.fsdp import fully_shard
 
     found = []
-    for k in _groups(world):
+    for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for batch, seq, h in TP_BLOCKS:
             plain = _gpt_block_model(seq, h).blocks[0]
@@ -219,12 +169,12 @@ def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
             for zero in (3, 2):
                 sharded = copy.deepcopy(plain)
                 fully_shard(sharded, mesh=mesh["g"], reshard_after_forward=zero == 3)
-                fwd, bwd = _added(plain, sharded, x)
+                fwd, bwd = added_seconds(plain, sharded, x)
                 if zero == 3:
-                    found.append(("fsdp_block_forward", k, nbytes, _slowest(fwd)))
+                    found.append(("fsdp_block_forward", k, nbytes, slowest_rank(fwd)))
                     found.append(("fsdp_clip", k, nbytes, _clip(sharded, x)))
                 found.append(("fsdp_block_backward" if zero == 3 else "fsdp_block_backward_2", k, nbytes,
-                              _slowest(bwd)))
+                              slowest_rank(bwd)))
     return found
 
 
@@ -249,7 +199,7 @@ def _compute_slowdown() -> float:
             _block_step(x, net)
             alone[0] = time.perf_counter() - started
         dist.broadcast(alone, 0)
-        together = _slowest(_once(lambda: _block_step(x, net)))
+        together = slowest_rank(once_seconds(lambda: _block_step(x, net)))
         ratios.append(together / float(alone))
     return max(1.0, statistics.median(ratios))
 
@@ -264,7 +214,7 @@ def _steps_in_a_row(model, x) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     step()  # warm-up: allocation, the optimizer's state, the first gloo connections
-    return statistics.median(_once(step) for _ in range(REPEATS))
+    return statistics.median(once_seconds(step) for _ in range(REPEATS))
 
 
 def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
@@ -272,13 +222,13 @@ def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
     bucketed all-reduces (4 Linear layers over 256 tokens), by gradient bytes: the overlap gloo really gives.
 
     Steps in a row, plain and then wrapped, the difference of their medians: a forward and a backward of each timed
-    in alternation (:func:`_added`) read about half of what DDP adds to a training loop here (``bench/ddp_overhead.py``:
-    medians of 1.7-1.8 ms against 3-4 at 560 KB of gradients on 2 gloo processes), which under-priced every 2-process
-    DDP step by 1.3-1.5x (``bench/finetune_prediction.py``)."""
+    in alternation (:func:`~nbtrain.profiler.link_timing.added_seconds`) read about half of what DDP adds to a
+    training loop here (``bench/ddp_overhead.py``: medians of 1.7-1.8 ms against 3-4 at 560 KB of gradients on 2
+    gloo processes), which under-priced every 2-process DDP step by 1.3-1.5x (``bench/finetune_prediction.py``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     found = []
-    for k in _groups(world):
+    for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for h in DDP_WIDTHS:
             torch.manual_seed(0)
@@ -286,7 +236,7 @@ def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
             x = torch.randn(256, h)
             wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=mesh.get_group("g"))
             added = max(0.0, _steps_in_a_row(wrapped, x) - _steps_in_a_row(plain, x))
-            found.append(("ddp_backward", k, 4 * h * h * 4, _slowest(added)))
+            found.append(("ddp_backward", k, 4 * h * h * 4, slowest_rank(added)))
     return found
 
 
@@ -306,7 +256,7 @@ def _pipeline_microbatch(world: int) -> list[tuple[str, int, int, float]]:
         torch.manual_seed(0)
         layer = nn.Linear(h, h)
         x = torch.randn(4, 32, h)
-        alone = _timed(lambda: layer(x).sum().backward(), dist.barrier)  # one micro-batch's compute, one stage
+        alone = median_seconds(lambda: layer(x).sum().backward(), dist.barrier)  # one micro-batch's compute, one stage
         seconds = {}
         for m in PP_MICROBATCHES:
             pipe = PipelineStage(layer, stage, 2, torch.device("cpu"), group=group)
@@ -318,61 +268,10 @@ def _pipeline_microbatch(world: int) -> list[tuple[str, int, int, float]]:
                     schedule.step(batch)
                 else:
                     schedule.step(target=batch, losses=[])
-            seconds[m] = _slowest(_timed(step, lambda: dist.barrier(group=group)))
+            seconds[m] = slowest_rank(median_seconds(step, lambda: dist.barrier(group=group)))
         low, high = PP_MICROBATCHES
         per_microbatch = (seconds[high] - seconds[low]) / (high - low) - alone
         found.append(("pp_microbatch", 2, 4 * 32 * h * 4, max(0.0, per_microbatch)))
-    return found
-
-
-class _Experts(nn.Module):
-    """Eight experts' weights in one 3-D tensor, called with the router's choices, as transformers holds them."""
-
-    def __init__(self, h: int, experts: int = 8):
-        super().__init__()
-        self.num_experts = experts
-        self.weight = nn.Parameter(torch.randn(experts, h, h) / h**0.5)
-
-    def forward(self, hidden, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden)
-        for e in range(self.num_experts):
-            rows, slot = torch.where(top_k_index == e)
-            out.index_add_(0, rows, (hidden[rows] @ self.weight[e]) * top_k_weights[rows, slot, None])
-        return out
-
-
-class _MixtureOfExperts(nn.Module):
-    def __init__(self, h: int):
-        super().__init__()
-        self.router = nn.Linear(h, 8, bias=False)
-        self.experts = _Experts(h)
-
-    def forward(self, x):
-        weights, chosen = torch.topk(torch.softmax(self.router(x), dim=-1), 2, dim=-1)
-        return self.experts(x, chosen, weights)
-
-
-def _expert_dispatch(world: int) -> list[tuple[str, int, int, float]]:
-    """Inside a spawned worker: what spreading a mixture of experts over ``k`` ranks adds to its forward and backward
-    (:func:`nbtrain.expert_dispatch.spread_experts`: the sort, the counts' exchange, the two all-to-alls each way,
-    the wait for the most loaded rank), beyond the same layer with every expert local, by the bytes dispatched
-    (each token's hidden state to its 2 experts). Each rank computes, in expectation, the experts' FLOPs of its own
-    tokens either way."""
-    from nbtrain.expert_dispatch import spread_experts
-
-    found = []
-    for k in _groups(world):
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "ep"))
-        for h in EP_WIDTHS:
-            torch.manual_seed(0)
-            plain = _MixtureOfExperts(h)
-            spread = copy.deepcopy(plain)
-            spread_experts(spread.experts, mesh)
-            torch.manual_seed(dist.get_rank())
-            fwd, bwd = _added(plain, spread, torch.randn(256, h))
-            nbytes = 256 * 2 * h * 4
-            found.append(("ep_forward", k, nbytes, _slowest(fwd)))
-            found.append(("ep_backward", k, nbytes, _slowest(bwd)))
     return found
 
 
@@ -380,7 +279,7 @@ def measure_in_worker(world: int) -> tuple[list, float]:
     """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
     torch.set_num_threads(1)
     return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _fsdp_blocks(world)
-            + _ddp_backward(world) + _pipeline_microbatch(world) + _expert_dispatch(world)), _compute_slowdown()
+            + _ddp_backward(world) + _pipeline_microbatch(world) + expert_dispatch(world)), _compute_slowdown()
 
 
 def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:
@@ -389,7 +288,7 @@ def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:
     if world_size < 2:
         raise InvalidArgumentError(f"communication needs world_size ≥ 2 processes, got {world_size}")
     results = run_spawned(measure_in_worker, world_size, world_size, timeout=timeout, what="communication benchmark")
-    points, slowdown = results[0]  # every rank agreed on the slowest time of each point (_slowest)
+    points, slowdown = results[0]  # every rank agreed on the slowest time of each point (slowest_rank)
     return links_from(points, world_size, slowdown)
 
 
