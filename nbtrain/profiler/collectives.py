@@ -209,7 +209,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 9
+CACHE_VERSION = 10
 
 
 def cache_file(world_size: int):
