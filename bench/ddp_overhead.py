@@ -14,6 +14,8 @@ points were taken as ``backward apart`` (``bench/finetune_prediction.py``). Per 
 - ``whole steps``: what DDP adds to a whole step of those Linear layers (forward, backward, fused AdamW, gradients
   set to None), one step of each back to back, 9 times;
 - ``linear loop``: the same steps, 25 plain then 25 under DDP, the difference of the medians;
+- ``gpt loop``: nbtrain's GPT of 2 blocks, width 64 (0.5 MB of gradients), 8 × 64 tokens, steps in a row as the
+  ``linear loop``'s;
 - ``training loop``: the Qwen2 step (forward, loss, backward, fused AdamW) of 8 × 64 tokens, 25 steps plain then 25
   under DDP (buffers not broadcast, as the executor wraps it), the difference of the medians;
 - ``loss all-reduce``: what the trainer's all-reduce of the loss (one number, read on the host) adds to the plain
@@ -62,6 +64,23 @@ def _qwen():
 
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(**SMALL))
+
+
+def _gpt(width: int):
+    from nbtrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=width, tie_embeddings=False))
+
+
+def _gpt_step(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+
+    def step():
+        model(ids).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
 
 
 def _training_step(model, params, ids, reduce_loss: bool = False):
@@ -129,6 +148,11 @@ def _round() -> dict[str, float]:
     wrapped = DistributedDataParallel(_qwen(), **buffer_sync(False))
     out["training loop"] = _median_ms(_training_step(wrapped, wrapped.parameters(), ids)) - alone
     out["plain step"] = alone
+    gpt = _gpt(width=64)
+    gpt_ids = torch.randint(0, 256, (8, 64))
+    gpt_alone = _median_ms(_gpt_step(gpt, gpt_ids))
+    out["gpt loop"] = _median_ms(_gpt_step(DistributedDataParallel(_gpt(width=64), **buffer_sync(False)),
+                                           gpt_ids)) - gpt_alone
     out["loss all-reduce"] = _median_ms(_training_step(model, model.parameters(), ids, reduce_loss=True)) - alone
     x = torch.randn(8, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
@@ -145,12 +169,12 @@ def _round() -> dict[str, float]:
 
 def main(rounds: int = 5) -> None:
     table = Table(["round", "grad bytes", "plain step", "all_reduce", "backward apart", "whole steps", "linear loop",
-                   "training loop", "loss all-reduce", "from a hook"], align="lrrrrrrrrr",
+                   "gpt loop", "training loop", "loss all-reduce", "from a hook"], align="lrrrrrrrrrr",
                   title="What DDP adds to a step here (ms; 2 gloo processes, rank 0's medians)")
     for r in range(rounds):
         got = launch(_round, num_processes=2)
-        columns = ("plain step", "all_reduce", "backward apart", "whole steps", "linear loop", "training loop",
-                   "loss all-reduce", "from a hook")
+        columns = ("plain step", "all_reduce", "backward apart", "whole steps", "linear loop", "gpt loop",
+                   "training loop", "loss all-reduce", "from a hook")
         table.add(str(r + 1), f"{got['bytes'] / 1e3:,.0f} KB", *(f"{got[k]:.2f}" for k in columns))
     print(table)
 
