@@ -54,18 +54,28 @@ class LayerTerms:
         every rank: a block's two norms' inputs and outputs (four hidden states; Korthikanti et al. 2022's 10·sbh
         counts two dropout masks besides), a head's input, and a head that gathers its logits the loss's copy of
         them (:meth:`_gathers_output`). A block with ``sp`` splits those along the sequence
-        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``). A model whose norms run fused
+        too: every saved byte over ``tp`` (ibid. §4.2.2: ``34sbh/t + 5as²b/t``). What broadcasts over the heads (an
+        attention mask, a RoPE table: :meth:`_head_shared`) stays whole either way. A model whose norms run fused
         saves less (:meth:`_fused_norm`); its norms' four hidden states are then exactly what a fused norm keeps."""
         full = self._eval(index, "activation_bytes", b) - self._fused_norm(index, "saved") * b * self.seq_len
         if s.tp == 1:
             return full
         kind = self.profile.layers[index].kind
+        shared = self._head_shared(index, b)
         if s.sp and kind == "block":
-            return full / s.tp
-        whole = (4 if kind == "block" else 1) * self._hidden(index, b) + self._whole(index, s, b)[1] * full
+            return split_over_tp(full, shared, s.tp)
+        whole = (4 if kind == "block" else 1) * self._hidden(index, b) + self._whole(index, s, b)[1] * full + shared
         if self._gathers_output(index):  # the loss's fp32 log-probabilities of the gathered logits, whole too
             whole += self._eval(index, "output_bytes", b) * 4 / self.e
         return split_over_tp(full, whole, s.tp)
+
+    def _head_shared(self, index: int, b: float) -> float:
+        """Saved bytes of the layer's tensors that broadcast over the attention heads (an attention mask, a RoPE
+        table: the profile's ``head_shared_bytes``), whole on every TP rank, with or without ``sp``: on the CPU a
+        document mask is saved as a ``[1, 1, T, T]`` float bias a block, 64 MiB at 4K tokens (issue 47's pipelined
+        bucket held 3.1x its prediction). 0 for a profile saved before they were counted."""
+        scaling = self.profile.layers[index].scaling
+        return float(scaling["head_shared_bytes"](b, self.seq_len)) if "head_shared_bytes" in scaling and b else 0.0
 
     def _whole(self, index: int, s: Strategy, b: float) -> tuple[float, float]:
         """(parameters, FLOPs share) of the layer that TP leaves whole on every rank (:func:`whole_under_tp`;

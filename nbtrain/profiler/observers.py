@@ -113,11 +113,15 @@ class SavedBytes:
     """Bytes saved for backward per forward segment, via ``torch.autograd.graph.saved_tensors_hooks``.
 
     A storage saved by several ops (or as several views) is counted once, in the segment that saved it first;
-    parameters are not activations and are skipped.
+    parameters are not activations and are skipped. ``head_shared`` keeps, of those bytes, the tensors that
+    broadcast over the attention heads (4-D with a size-1 second dimension: a ``[batch, 1, T, T]`` mask, which
+    ``F.scaled_dot_product_attention`` saves as a float bias; a ``[batch, 1, T, d]`` RoPE table): tensor
+    parallelism splits the heads and leaves them whole on every rank.
     """
 
     def __init__(self, parameters, also=None):
         self.per_segment: dict[int, int] = defaultdict(int)
+        self.head_shared: dict[int, int] = defaultdict(int)
         self.segment = 0
         self._seen = {self._key(p) for p in parameters}
         self._also = also  # told of every saved tensor (SelectiveCounter.saved: how far a recomputation goes)
@@ -136,6 +140,8 @@ class SavedBytes:
         if key not in self._seen:
             self._seen.add(key)
             self.per_segment[self.segment] += t.untyped_storage().nbytes()
+            if t.dim() == 4 and t.shape[1] == 1:
+                self.head_shared[self.segment] += t.untyped_storage().nbytes()
         return t
 
     def holds(self, t: torch.Tensor) -> bool:

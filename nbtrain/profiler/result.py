@@ -26,7 +26,11 @@ KERNEL_QUANTITIES = tuple(f"{q}_{d}" for q in ("matmul_flops", "matmul_bytes", "
 # The FLOPs of the projection matmuls ``ac=op`` drops and recomputes (nbtrain.profiler.selective), likewise kept in
 # ``scaling`` only: a profile saved before it was counted prices ``ac=op`` as keeping every matmul.
 RECOMPUTE_QUANTITIES = ("recompute_matmul_flops",)
-FITTED = QUANTITIES + KERNEL_QUANTITIES + RECOMPUTE_QUANTITIES
+# Of the saved bytes, those of tensors that broadcast over the attention heads (4-D, ``[batch, 1, ...]``: an
+# attention mask, a RoPE table), which tensor parallelism, splitting the heads, leaves whole on every rank
+# (nbtrain.planner.layer_terms). Kept in ``scaling`` only: a profile saved before they were counted has none.
+HEAD_SHARED_QUANTITIES = ("head_shared_bytes",)
+FITTED = QUANTITIES + KERNEL_QUANTITIES + RECOMPUTE_QUANTITIES + HEAD_SHARED_QUANTITIES
 """Every quantity the profiler fits as a :class:`Scaling` per layer."""
 
 # Transformer costs are sums of these terms: per-token work (b·s), attention scores (b·s²), per-sequence work

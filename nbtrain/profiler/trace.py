@@ -162,6 +162,7 @@ def _count(step: Step, b: int, s: int, twins: StandInPlan | None) -> Counts:
         "flops_fwd": {i: int(flops.fwd[i]) for i in range(n)},
         "flops_bwd": {i: int(flops.bwd[i]) for i in range(n)},
         "activation_bytes": {i: saved.per_segment[i] for i in range(n)},
+        "head_shared_bytes": {i: saved.head_shared[i] for i in range(n)},
         "output_bytes": outputs,
         "selective_bytes": {i: inputs[i] + selective.kept[i] for i in range(n)},
         "recompute_bytes": {i: selective.recomputed[i] for i in range(n)},
