@@ -10,7 +10,8 @@ points were taken as ``backward apart`` (``bench/finetune_prediction.py``). Per 
 - ``all_reduce``: the gradient bytes of the test model (a transformers Qwen2 of 0.14 M parameters, 560 KB) reduced
   alone after a barrier, the way the link benchmark's ``all_reduce`` points are taken;
 - ``backward apart``: what DDP adds to a backward, a forward and a backward timed apart with gradients left to
-  accumulate (``link_timing.added_seconds``: how the link benchmark measured ``ddp_backward`` until this bench), at those bytes;
+  accumulate (``link_timing.added_seconds``: how the link benchmark measured ``ddp_backward`` until this bench), at
+  those bytes;
 - ``whole steps``: what DDP adds to a whole step of those Linear layers (forward, backward, fused AdamW, gradients
   set to None), one step of each back to back, 9 times;
 - ``linear loop``: the same steps, 25 plain then 25 under DDP, the difference of the medians;

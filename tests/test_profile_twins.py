@@ -196,7 +196,7 @@ def test_blocks_that_cannot_stand_in_for_their_twins_are_all_counted(make):
 
 
 def lora_llama():
-    """peft's LoRA on a transformers Llama, as a fine-tuning notebook builds it: the base frozen, adapters on q and v."""
+    """peft's LoRA on a transformers Llama as a fine-tuning notebook builds it: the base frozen, adapters on q, v."""
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(hf_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

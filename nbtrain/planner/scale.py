@@ -10,7 +10,8 @@ inner axes are the ones that change how a layer computes (a tensor-parallel matm
 small run keeps as much of them as it can; checkpointing, ZeRO level, offload and schedule stay as planned, expert
 parallelism over as many data-parallel ranks as are left (``dp_shard=32 ep=8`` on 2 devices: ``dp_shard=2 ep=2``), and
 micro-batches shrink with the pipeline (as many per stage as planned: they were there to fill its bubble; a GPipe
-plan with fewer micro-batches than stages keeps its count, which the search chose and the executor runs). A plan for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
+plan with fewer micro-batches than stages keeps its count, which the search chose and the executor runs). A plan
+for fewer devices than asked grows ``dp_replicate``: more copies of the same layout.
 """
 
 from __future__ import annotations

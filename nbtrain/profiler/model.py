@@ -128,11 +128,11 @@ def _fit(step: Step, asked: Counts, b: int, s: int) -> list[dict[str, Scaling]]:
     """Count six small shapes and fit each layer's quantities as polynomials in batch and length.
 
     Identical blocks usually cost the same, so the probes first run the model with one block of each kind (a 70B
-    model's 80 blocks become one), then with two (the first of a kind may differ: after a frozen embedding, as under
-    LoRA, it computes no input gradient). Where that is not so (blocks that reuse a tensor an earlier block saved, such as
-    Hugging Face's shared RoPE tables) or the forward does not allow it, the fits miss the counted shape ``(b, s)``
-    and the probes count all blocks (running a few of each group of twins where ``step.twins`` says so:
-    :mod:`nbtrain.profiler.twins`).
+    model's 80 blocks become one), then with two (the first of a kind may differ: after a frozen embedding, as
+    under LoRA, it computes no input gradient). Where that is not so (blocks that reuse a tensor an earlier block
+    saved, such as Hugging Face's shared RoPE tables) or the forward does not allow it, the fits miss the counted
+    shape ``(b, s)`` and the probes count all blocks (running a few of each group of twins where ``step.twins`` says
+    so: :mod:`nbtrain.profiler.twins`).
     """
     kinds: dict[tuple, list[int]] = {}
     for i, block in enumerate(step.blocks):
