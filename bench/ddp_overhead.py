@@ -74,40 +74,30 @@ def _gpt(width: int):
     return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=width, tie_embeddings=False))
 
 
-def _gpt_step(model, ids):
+def _adamw_step(model, loss_of, reduce_loss: bool = False):
+    """A training step of ``model`` as the trainer runs it: ``loss_of(model)``, backward, a fused AdamW step,
+    gradients set to None; ``reduce_loss``: every rank's loss summed and read on the host, as the trainer does."""
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
 
     def step():
-        model(ids).float().square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
-def _training_step(model, params, ids, reduce_loss: bool = False):
-    optimizer = torch.optim.AdamW(params, fused=True)
-
-    def step():
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss = loss_of(model)
         loss.backward()
-        if reduce_loss:  # as the trainer does: every rank's loss summed, read on the host
+        if reduce_loss:
             total = loss.detach().clone()
             dist.all_reduce(total)
             float(total)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)
     return step
+
+
+def _next_token_loss(ids):
+    return lambda model: torch.nn.functional.cross_entropy(model(input_ids=ids[:, :-1]).logits.flatten(0, 1),
+                                                           ids[:, 1:].flatten())
 
 
 def _linear_step(model, x):
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-
-    def step():
-        model(x).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+    return _adamw_step(model, lambda m: m(x).sum())
 
 
 def _alternating_steps(plain, wrapped, x, rounds: int = 9) -> float:
@@ -145,16 +135,17 @@ def _round() -> dict[str, float]:
     linear_alone = _median_ms(_linear_step(plain, x))
     out["linear loop"] = _median_ms(_linear_step(DistributedDataParallel(copy.deepcopy(plain)), x)) - linear_alone
     ids = torch.randint(0, SMALL["vocab_size"], (8, 65))
-    alone = _median_ms(_training_step(model, model.parameters(), ids))
+    alone = _median_ms(_adamw_step(model, _next_token_loss(ids)))
     wrapped = DistributedDataParallel(_qwen(), **buffer_sync(False))
-    out["training loop"] = _median_ms(_training_step(wrapped, wrapped.parameters(), ids)) - alone
+    out["training loop"] = _median_ms(_adamw_step(wrapped, _next_token_loss(ids))) - alone
     out["plain step"] = alone
     gpt = _gpt(width=64)
     gpt_ids = torch.randint(0, 256, (8, 64))
-    gpt_alone = _median_ms(_gpt_step(gpt, gpt_ids))
-    out["gpt loop"] = _median_ms(_gpt_step(DistributedDataParallel(_gpt(width=64), **buffer_sync(False)),
-                                           gpt_ids)) - gpt_alone
-    out["loss all-reduce"] = _median_ms(_training_step(model, model.parameters(), ids, reduce_loss=True)) - alone
+    gpt_loss = lambda m: m(gpt_ids).float().square().mean()  # noqa: E731
+    gpt_alone = _median_ms(_adamw_step(gpt, gpt_loss))
+    out["gpt loop"] = _median_ms(_adamw_step(DistributedDataParallel(_gpt(width=64), **buffer_sync(False)),
+                                             gpt_loss)) - gpt_alone
+    out["loss all-reduce"] = _median_ms(_adamw_step(model, _next_token_loss(ids), reduce_loss=True)) - alone
     x = torch.randn(8, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
 

@@ -246,12 +246,13 @@ class CostModel(LayerTerms):
             spread.params / s.ep / spread.strategy.dp_shard * shard if spread else 0.0)), bwd)
         # once a step, spread over the schedule's pp + m − 1 slots (the module docstring's "Pipeline"); the
         # reduce-scatters of every micro-batch but the last, each micro-batch
-        loss_sync = self.loss_sync() if index == len(self.profile.layers) - 1 else 0.0  # with the loss's layer
+        last = index == len(self.profile.layers) - 1
+        loss_sync = self.loss_sync() if last else 0.0  # with the loss's layer
         per_step = Time(dp_comm=dp_comm - dp_each + loss_sync, offload=offload,
                         update=update).scaled(1 / (microbatches + pp - 1))
         time = Time(compute=compute, tp_comm=tp_comm, zero3_comm=zero3, ep_comm=ep_comm, dp_comm=dp_each) + per_step
         memory = Memory(params=params, grads=grads, optimizer=optimizer_state * (1 - s.offload), activations=act)
-        if pp > 1 and index == len(self.profile.layers) - 1 and prof.tied:  # the last stage's copy of the embedding
+        if pp > 1 and last and prof.tied:  # the last stage's copy of the embedding
             memory = memory + self._tied_copy(s)  # priced with the head, so the search's stages hold it too
         return LayerCost(memory, act, transient, time, host_bytes=optimizer_state * s.offload)
 

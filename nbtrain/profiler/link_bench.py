@@ -214,8 +214,7 @@ def _steps_in_a_row(model, x) -> float:
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    step()  # warm-up: allocation, the optimizer's state, the first gloo connections
-    return statistics.median(once_seconds(step) for _ in range(REPEATS))
+    return median_seconds(step, dist.barrier)  # after a warm-up: allocation, the optimizer's state, gloo's connections
 
 
 def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
