@@ -73,21 +73,20 @@ def _packed_row():
 
 
 def _saved_by_a_packed_row(tp: int) -> int:
-    """Rank 0's saved bytes of one step's forward and loss on a packed row under ``tp``, the model split by its
-    own tensor-parallel plan as the executor splits it."""
-    from nbtrain.models.description import describe
-    from nbtrain.models.tensor_parallel import style_for
+    """Rank 0's saved bytes of one step's forward and loss on a packed row under ``tp``, the model split by the
+    executor (:func:`~nbtrain.run.parallel.parallelize.parallelize`)."""
+    from nbtrain.models.description import layer_slots
+    from nbtrain.planner.plan import Plan
     from nbtrain.profiler.model import lm_loss
+    from nbtrain.run.parallel.mesh import PlanMeshes
+    from nbtrain.run.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
     model = GPT(PACKED)
     if tp > 1:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        for name, style in [pair for layer in describe(model).tensor_parallel for pair in layer]:
-            module = model.get_submodule(name)
-            parallelize_module(module, mesh, style_for(module, style))
+        plan = Plan.parse(f"tp={tp}", num_devices=tp, num_layers=len(layer_slots(model)), global_batch=1,
+                          seq_len=PACKED.block_size)
+        model = parallelize(model, plan, PlanMeshes(plan))
     ids, doc_ids = _packed_row()
     saved = SavedActivations(exclude=model.parameters())
     with saved.hooks():
