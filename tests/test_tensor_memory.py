@@ -33,6 +33,19 @@ def test_saved_activations_count_what_backward_needs_once_and_nothing_once_it_is
     assert saved.live == 0
 
 
+def test_a_graph_dropped_without_a_backward_is_freed_while_it_is_counted():
+    # a pipeline's first stage infers its shapes with a forward that no backward follows (its inputs are token ids):
+    # under the counting hooks that graph once stayed alive, one micro-batch of activations a schedule, for good
+    linear = nn.Linear(64, 64, bias=False)
+    saved = SavedActivations(exclude=linear.parameters())
+    with saved.hooks():
+        y = torch.sigmoid(linear(torch.randn(32, 64)))  # sigmoid saves its own output: the tensor y itself
+    assert saved.live == 2 * 32 * 64 * 4
+    del y  # the graph goes with its last reference, as it does without the hooks
+    gc.collect()
+    assert saved.live == 0
+
+
 def test_the_state_of_adamw_is_two_fp32_moments_per_parameter_beside_parameters_and_gradients():
     model = nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters())

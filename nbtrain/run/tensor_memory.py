@@ -79,8 +79,21 @@ class SavedActivations:
             self.peak = max(self.peak, self.live)
         else:
             entry[1] += 1
-        weakref.finalize(t, self._release, pointer)
-        return t
+        # autograd keeps a new tensor on the same storage, not ``t`` itself: a tensor its own op saves (an
+        # activation's output), packed as itself, holds its grad_fn and is held by it, a cycle through autograd that
+        # Python's collector cannot see, so a graph dropped without a backward (a pipeline stage's shape inference)
+        # was never freed. The storage is counted until both are gone: autograd's copy and the caller's tensor
+        packed = t.detach()
+        holders = [2]
+
+        def one_gone() -> None:
+            holders[0] -= 1
+            if holders[0] == 0:
+                self._release(pointer)
+
+        weakref.finalize(packed, one_gone)
+        weakref.finalize(t, one_gone)
+        return packed
 
     def _release(self, pointer: int) -> None:
         entry = self._counts.get(pointer)
