@@ -447,6 +447,22 @@ def test_the_plan_says_why_each_pipelined_bucket_runs_in_a_pipeline_beside_the_b
     assert f"why a pipeline: {why}" in str(piped)
 
 
+def test_a_pipelined_bucket_holds_the_micro_batches_of_its_fullest_step_and_takes_the_time_of_its_mean_one():
+    # 128 × 32 + 1024 = 5,120 tokens a step hold one 1K row on average, but a step of long documents puts five
+    # there: five 1-row micro-batches, of which 1F1B keeps pp − 0 = 2 in flight on the first stage, twice what the
+    # mean step's one holds (measured, issue 47: a step of four 4K rows held 2.3× the memory priced at its one)
+    prof, c = blocks(8), cluster(8)
+    given = price_buckets(prof, c, [(128, 32), (1024, 1)], {128: "dp_replicate=8", 1024: "pp=2 tp=4"},
+                          options=options())
+    long = given.buckets[-1]
+    one = CostModel(prof, c, global_batch=1, seq_len=1024, options=NO_RESERVE).estimate(
+        Plan(num_devices=8, layers=(S(tp=4),) * 8, pp=2, microbatches=1, schedule="gpipe", global_batch=1,
+             seq_len=1024))
+    assert long.memory.activations == pytest.approx(2 * one.stages[0].memory.activations, rel=EXACT)
+    assert (long.microbatches, long.micro_rows) == (1, 1)  # its time: the mean step's one micro-batch
+    assert long.time_s == pytest.approx(one.step_time_s - one.time.update - one.time.offload, rel=1e-6)
+
+
 def test_only_the_home_offloads_and_it_does_when_its_optimizer_state_fits_no_other_way():
     prof, c = blocks(4, act=100, out=100), cluster(8)
     buckets = [(128, 64), (1024, 8)]

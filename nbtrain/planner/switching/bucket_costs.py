@@ -21,7 +21,9 @@ transient of its layers.
 schedule's own work, its gradient sync (the executor's pipeline syncs at each schedule's end, so per bucket: no
 separate ``sync``). Its optimizer update is the home's business, paid once a step: the prediction's ``update`` and
 ``offload`` are left out of the bucket's time. Memory per stage: the activations of the micro-batches in flight
-(1F1B: ``pp − i`` on stage ``i``; GPipe all) and the largest transient, on the stage's ranks.
+(1F1B: ``pp − i`` on stage ``i``; GPipe all) and the largest transient, on the stage's ranks, at the step that
+fills the bucket most (:func:`peak_rows`: the same micro-batch rows, more micro-batches) where the time is the
+mean step's.
 
 **The update** (``update``): the home's optimizer step when this bucket is the home's, with its CPU offload's excess
 over that bucket's backward (CoTrain's overlap: the cost model's ``Time.offload`` at the bucket's micro-batches).
@@ -155,11 +157,25 @@ def price_bucket(costs, bound: int, rows: int) -> BucketCost:
                     passes[c, j], sync[c, j], act[c, j], transient[c, j] = base[c, key]
                     continue
                 passes[c, j] = found.step_time_s - once
+                # memory at the step that fills the bucket most: the same micro-batch rows, more of them in flight
+                most = peak_rows(costs, bound, rows)
+                held = found if most == rows else pipeline_prediction(costs, s, bound, most, int(micro[c, j])) or found
                 where = group_stages(s, groups)
-                act[c, j] = [found.stages[k].memory.activations for k in where]
-                transient[c, j] = [found.stages[k].memory.transient for k in where]
+                act[c, j] = [held.stages[k].memory.activations for k in where]
+                transient[c, j] = [held.stages[k].memory.transient for k in where]
             base[c, key] = passes[c, j], sync[c, j], act[c, j].copy(), transient[c, j].copy()
     return BucketCost(bound, rows, micro, counts, passes, sync, update, act, transient)
+
+
+def peak_rows(costs, bound: int, rows: int) -> int:
+    """The most rows of ``bound`` tokens a step may put in the bucket: every token of the step
+    (``costs.step_tokens``) in it, ``peak_rows(costs, 4096, 1) == 4`` at 16,384 tokens a step; its ``rows`` (the
+    mean the time is priced at) when the step's tokens are not known. A bucket's time is its mean step's, its memory
+    its fullest step's: a pipelined bucket runs the step's rows in more micro-batches of the same rows, and 1F1B
+    keeps up to ``pp − i`` of them in flight on stage ``i`` (measured, issue 47: a step with four 4K rows held 2.3×
+    the memory priced at the mean's one)."""
+    step = getattr(costs, "step_tokens", None)
+    return max(rows, -(-step // bound)) if step else rows
 
 
 def pipeline_prediction(costs, s, bound: int, rows: int, choice: int | None):

@@ -67,10 +67,15 @@ class Assignment:
 class SwitchingCostModel:
     """The cost model over the strategy space (module docstring): model states and switches per strategy, costs per
     bucket (:meth:`bucket`), memory beside the home (:meth:`home_memory`, :meth:`away_memory`). ``options``:
-    :class:`~nbtrain.planner.switching.buckets.BucketOptions`; ``extra``: strategies to price beside the space."""
+    :class:`~nbtrain.planner.switching.buckets.BucketOptions`; ``extra``: strategies to price beside the space;
+    ``step_tokens``: the tokens of a step, the most any one bucket may get (a pipelined bucket's memory is priced
+    at that step: :func:`~nbtrain.planner.switching.bucket_costs.peak_rows`); None: no step holds more rows than a
+    bucket's own."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, budget: float | None, options, extra=()):
+    def __init__(self, profile: ModelProfile, cluster: Cluster, budget: float | None, options, extra=(),
+                 step_tokens: int | None = None):
         self.profile, self.cluster, self.options, self._budget = profile, cluster, options, budget
+        self.step_tokens = step_tokens
         n, per_node = cluster.num_devices, cluster.devices_per_node
         heads = profile.arch.get("n_kv_head") or profile.arch.get("n_head")
         unit = profile.arch.get("tp_unit")  # every split dimension divides by tp (nbtrain.models.description)

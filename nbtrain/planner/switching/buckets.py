@@ -105,7 +105,8 @@ def plan_buckets(profile: ModelProfile, cluster: Cluster, buckets, *, memory=Non
     if len(given) > MAX_BUCKETS:
         raise InvalidArgumentError(f"{len(given)} buckets are more than the search takes ({MAX_BUCKETS}); use "
                                    "coarser bounds, e.g. powers of 4 (256, 1K, 4K, 16K, 64K)")
-    costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options)
+    costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options,
+                               step_tokens=step_tokens(given))
     as_given = [[b] for b in given]
     parts, notes = as_given, ()
     while options.merge and len(parts) > MAX_EXHAUSTIVE:  # greedily: the merge that gives the fastest step
@@ -139,7 +140,7 @@ def price_buckets(profile: ModelProfile, cluster: Cluster, buckets, strategies, 
                                    f"{[bound for bound, _ in given]}; give one strategy per bucket")
     strategies = {b: parse_bucket_strategy(s, cluster.num_devices) for b, s in strategies.items()}
     costs = SwitchingCostModel(profile, cluster, parse_bytes(memory) if memory is not None else None, options,
-                               extra=tuple(strategies.values()))
+                               extra=tuple(strategies.values()), step_tokens=step_tokens(given))
     piped = [str(s) for s in strategies.values() if pp_of(s) > 1]
     if piped and costs.no_pp:
         raise InvalidArgumentError(f"cannot run {', '.join(piped)}: pipelines are ruled out for this model "
@@ -147,6 +148,12 @@ def price_buckets(profile: ModelProfile, cluster: Cluster, buckets, strategies, 
     chosen = [costs.space.index(strategies[b]) for b, _ in given]
     found = Assignment(math.nan, chosen[-1], chosen)
     return _plan(costs, given, found, [[b] for b in given], [costs.bucket(b, r) for b, r in given], ())
+
+
+def step_tokens(buckets: list[tuple[int, int]]) -> int:
+    """The tokens of a step of ``buckets``, ``(bound, rows)`` pairs: ``step_tokens([(512, 8), (4096, 1)]) == 8192``,
+    the most one bucket may get in a step (a pipelined bucket's memory is priced at it)."""
+    return sum(bound * rows for bound, rows in buckets)
 
 
 def _fastest_grouping(costs: SwitchingCostModel, grouping: list) -> tuple[Assignment, list, list]:

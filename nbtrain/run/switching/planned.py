@@ -30,7 +30,7 @@ from nbtrain.planner.strategy import Strategy
 from nbtrain.planner.switching.bucket_strategy import parse_bucket_strategy, pp_of
 from nbtrain.planner.switching.bucket_search import SwitchingCostModel
 from nbtrain.planner.switching.buckets import (BucketOptions, BucketPlan, MAX_BUCKETS, StaticPlan, plan_buckets,
-                                              price_buckets)
+                                              price_buckets, step_tokens)
 from nbtrain.profiler.hardware import Cluster
 from nbtrain.profiler.model import lm_loss, profile
 from nbtrain.profiler.timed import timed_profile
@@ -195,7 +195,8 @@ def longest_bucket_needs(model: nn.Module, documents, *, num_processes: int, tok
     bounds = sorted(bounds) if bounds is not None else default_bounds(model, [len(d) for d in docs])
     rows = mean_bucket_rows(docs, tokens_per_step=tokens_per_step or 8 * bounds[-1], bounds=bounds, seed=seed)
     cluster = _cluster(cluster, num_processes, print)
-    costs = SwitchingCostModel(_profile(model, cluster, bounds[-1]), cluster, None, BucketOptions())
+    costs = SwitchingCostModel(_profile(model, cluster, bounds[-1]), cluster, None, BucketOptions(),
+                               step_tokens=step_tokens(rows))
     need = costs.home_memory(costs.bucket(*rows[-1])).min(axis=0)  # each strategy at its most micro-batches
     j = int(need.argmin())
     plain = [k for k, s in enumerate(costs.space) if s.tp == 1 and not s.ac and pp_of(s) == 1 and not s.offload]
