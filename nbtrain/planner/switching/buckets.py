@@ -39,8 +39,9 @@ on each stage's ``N / pp`` devices, the stages cut evenly by layer count, 1F1B o
 when there are fewer of them than stages). Such a bucket is priced by ``CostModel.estimate`` of that uniform
 pipelined plan: each stage's layers, the bubble ``Σᵢ Tᵢ + (m − 1) · maxᵢ Tᵢ`` (the stages' imbalance included), the
 sends between stages and its gradient sync (a pipeline syncs after each of its buckets); its memory per stage, the
-micro-batches in flight on it; its switches move only the layers of each rank's stage
-(:mod:`nbtrain.planner.switching.switch_cost`). The home alone may offload its update to the CPU
+micro-batches in flight on it at the step that fills the bucket most (a step may put all its tokens in one bucket:
+more micro-batches of the same rows; the time is the mean step's); its switches move only the layers of each rank's
+stage (:mod:`nbtrain.planner.switching.switch_cost`). The home alone may offload its update to the CPU
 (``BucketOptions.offload_levels``): its optimizer state then stays on the device for the rest only, and the update's
 CPU time beyond its last bucket's backward is paid (CoTrain's overlap). ``BucketPlan.why`` says, for each pipelined
 bucket, what its pipeline costs beside the fastest strategy without one
