@@ -27,7 +27,7 @@ they do not fit), and the predicted speed-up over the best static plan beside th
 
 Part 4, measured here (issue 47): four gloo processes on the Wikipedia mix (lengths ÷ 8, buckets 512/2048/4096 as
 HotSPa's 4K/16K/32K ÷ 8): what ``fit`` plans with pipelines among its choices, the planner's switching without
-pipelines, HotSPa's shape by hand ((4,1,1), (2,1,2), (1,2,2)) and the best static plan, each measured (median step
+pipelines, HotSPa's shape by hand ((4,1,1), (2,1,2), (1,2,2)) and the best static plan, each measured (mean step
 of steps 2-5 on rank 0) beside its prediction.
 
     python bench/switching.py --part 3         # ~2 min on 2 cores
@@ -59,7 +59,7 @@ CONFIG = GPTConfig(vocab_size=VOCAB, block_size=CONTEXT, n_layer=4, n_head=4, n_
                    norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False)
 BOUNDS = [128, 256, 512, 1024, 2048, 4096]
 TOKENS_PER_STEP = 32768
-STEPS = 4  # the first is warm-up: the tables take the median of the rest
+STEPS = 4  # the first is warm-up: the tables take the rest (their mean: a step over documents is not like the next)
 HEADROOM = 1.25
 
 
@@ -86,8 +86,10 @@ def run(model_state, documents, plan, cluster, budget):
 
 
 def tokens_per_s(result) -> float:
+    """The steps after the first: their tokens over their seconds (the mean step's rate, which the planner prices;
+    a median of per-step rates picks whichever step sits in the middle)."""
     measured = result.details[1:]
-    return statistics.median(r.tokens / r.seconds for r in measured)
+    return sum(r.tokens for r in measured) / sum(r.seconds for r in measured)
 
 
 def part_one():
@@ -118,7 +120,7 @@ def part_one():
         summary.append((name, chosen.describe(), f"{static.strategy} in rows of {list(static.bounds)}",
                         tokens_per_s(fixed), tokens_per_s(planned), ratio, predicted,
                         time.perf_counter() - started))
-    print("\n=== summary (tokens/s: median of steps 2-4 on rank 0; predicted: the planner's static / chosen step)")
+    print("\n=== summary (tokens/s: steps 2-4 on rank 0, their tokens over their time; predicted: the planner's static / chosen step)")
     print(f"{'corpus':<26} {'static tok/s':>12} {'chosen tok/s':>12} {'measured':>9} {'predicted':>9}  chosen · static")
     for name, chosen, static, s, h, ratio, predicted, seconds in summary:
         print(f"{name:<26} {s:>12,.0f} {h:>12,.0f} {ratio:>8.2f}x {predicted:>8.2f}x  {chosen} · {static} "
@@ -246,14 +248,14 @@ def part_four():
                              timeout=1800, progress=False)
         print(f"\n--- {name}\n{result}")
         chosen = result.layout
-        measured = statistics.median(r.seconds for r in result.details[1:])
+        measured = result.measured_step_s  # the mean step (DocumentsFitResult)
         predicted = chosen.predicted.step_time_s if chosen.predicted else float("nan")
         piped = any(pp_of(s) > 1 for s in chosen.strategies.values())
         summary.append((name, chosen.describe(), measured, predicted, piped, time.perf_counter() - started,
-                        statistics.median(r.tokens for r in result.details[1:])))
+                        statistics.mean(r.tokens for r in result.details[1:])))
         done[key] = summary[-1]
     static_row = next((row for row in summary if row[0] == "best static plan"), None)
-    print(f"\n=== summary, {PIPE_PROCESSES} processes (measured: median step of steps 2-{PIPE_STEPS} on rank 0; "
+    print(f"\n=== summary, {PIPE_PROCESSES} processes (measured: mean step of steps 2-{PIPE_STEPS} on rank 0; "
           "predicted: the planner's; speed-up: the best static plan's step / this one's)")
     print(f"{'run':<28} {'measured':>9} {'predicted':>9} {'meas/pred':>9} {'tok/s':>7} {'speed-up':>8} "
           f"{'predicted':>9}  pp?  strategies")

@@ -149,3 +149,28 @@ def test_documents_refuse_what_they_cannot_take_before_anything_starts():
     ids = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(InvalidArgumentError, match="give plan= for"):
         nbtrain.fit(model, [(ids, ids)], steps=1, num_processes=2)
+
+
+def test_a_run_over_documents_is_measured_by_its_mean_step_which_is_what_the_planner_prices():
+    # steps over documents are not alike: the planner prices the mean step (each bucket at its mean rows), so the
+    # step a run reports beside it is the mean of its steps, and a bucket's time its mean over them, 0 where a
+    # step had none of its rows (the median of these four steps, 4.0 s, is one step without a long row)
+    from nbtrain.planner.strategy import Strategy
+    from nbtrain.run.fit_documents import DocumentsFitResult
+    from nbtrain.run.switching.hot import SwitchStepRecord
+    from nbtrain.run.switching.planned import DocumentPlan
+    from nbtrain.run.trainer import StepRecord
+
+    seconds = [9.0, 10.0, 4.0, 4.0, 3.0]  # the first is warm-up, left out
+    long_rows = [1.0, 8.0, 0.0, 2.0, 0.0]  # seconds of the 4096 bucket in each
+    records = [StepRecord(i + 1, 5.0, s, 1000 / s, 2**20) for i, s in enumerate(seconds)]
+    details = [SwitchStepRecord(i + 1, 5.0, 1000, s, {512: s - long, **({4096: long} if long else {})})
+               for i, (s, long) in enumerate(zip(seconds, long_rows))]
+    layout = DocumentPlan(strategies={512: Strategy(dp_replicate=2), 4096: Strategy(tp=2)},
+                          micro_rows={512: 1, 4096: 1}, tokens_per_step=1000, num_processes=2)
+    result = DocumentsFitResult(plan=None, records=records, predicted_step_s=5.0, layout=layout, details=details)
+    assert result.measured_step_s == pytest.approx(5.25)
+    assert "measured step time (mean after the first): 5.25 s · predicted: 5.00 s (measured / predicted 1.05)" \
+        in str(result.table())
+    long_bucket = next(row for row in str(result.bucket_table()).splitlines() if row.strip().startswith("4096"))
+    assert "2.50 s" in long_bucket  # (8 + 0 + 2 + 0) / 4

@@ -73,12 +73,18 @@ class FitResult:
         losses = self.eval_losses
         return losses[max(losses)] if losses else None
 
+    step_statistic = "median"
+    """How :attr:`measured_step_s` sums up the steps: their median, where every step is the same work."""
+
+    def _measured_steps(self) -> list[float]:
+        """The step times, the first step (warm-up: lazy initialisation, first gathers) left out."""
+        own = self.records[self.resumed_at:] or self.records  # the steps before a resume came from the checkpoint
+        return [r.seconds for r in own[1:]] or [r.seconds for r in own]
+
     @property
     def measured_step_s(self) -> float:
-        """Median step time, the first step (warm-up: lazy initialisation, first gathers) left out."""
-        own = self.records[self.resumed_at:] or self.records  # the steps before a resume came from the checkpoint
-        times = [r.seconds for r in own[1:]] or [r.seconds for r in own]
-        return statistics.median(times)
+        """Median step time, the first step left out."""
+        return statistics.median(self._measured_steps())
 
     def table(self) -> Table:
         cpu = not torch.cuda.is_available()
@@ -91,7 +97,7 @@ class FitResult:
             val = ([f"{r.eval_loss:.4f}" if r.eval_loss is not None else "—"] if evaluated else [])
             t.add(r.step, f"{r.loss:.4f}", *val, format_seconds(r.seconds), f"{r.tokens_per_s:,.0f}", tensors,
                   *([format_bytes(r.peak_memory_bytes)] if cpu else []))
-        line = f"measured step time (median after the first): {format_seconds(self.measured_step_s)}"
+        line = f"measured step time ({self.step_statistic} after the first): {format_seconds(self.measured_step_s)}"
         if self.predicted_step_s is not None:
             line += f" · predicted: {format_seconds(self.predicted_step_s)} (measured / predicted " \
                     f"{self.measured_step_s / self.predicted_step_s:.2f})"
