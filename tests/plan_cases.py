@@ -11,8 +11,9 @@ numbers can, and then the file is recorded again with the search of the commit b
 answer as its exhaustive predecessor did, not as itself). Recorded at 9ed82b0, before the speed-up; recorded again
 on 2026-12-05 after the cost model priced a sharded layer's gradient sync every micro-batch and ZeRO-2's fp32 shards
 (acbc608, 10c335c: the executor changed), and again when it priced the trainer's all-reduce of the loss once a step
-on more than one device (a collective's latency on these catalog clusters: 6 µs in a node, 25 µs across), by the
-search with its bounds switched off (``Solver.prune = False``:
+on more than one device (a collective's latency on these catalog clusters: 6 µs in a node, 25 µs across), and
+when a sharded pipeline stage's whole gradients were priced (torch's stage reduces them once, after its last
+micro-batch: tests/test_pipeline_memory.py), by the search with its bounds switched off (``Solver.prune = False``:
 every task solved in full, the exhaustive answer; the frontier's exactness is tests/test_frontier.py's). The test
 then checks the bounds against that record, on every case.
 """

@@ -186,19 +186,21 @@ def test_a_transformers_gpt2_may_be_split_by_tp_and_its_tied_ends_by_pipeline_st
 def test_a_pipelined_plan_of_a_tied_model_holds_the_last_stages_copy_of_the_embedding_within_the_budget():
     """The executor gives a pipeline's last stage its own copy of a tied embedding (with gradients and Adam state);
     the search must count it where the stage's memory is priced, or it recommends a plan the estimate then finds
-    over budget (Hugging Face GPT-2 on 4 H100s at 3 GiB, 64 x 1024: pp=2 "DOES NOT FIT 3.23 GiB/3.00 GiB")."""
+    over budget (Hugging Face GPT-2 on 4 H100s at 3 GiB, 64 x 1024: pp=2 "DOES NOT FIT 3.23 GiB/3.00 GiB"). Since a
+    sharded stage's whole gradients are priced (tests/test_pipeline_memory.py) that case plans no pipeline; at 2 GiB
+    and 32 x 1024 the plan is pp=4, its last stage holding the copy."""
     transformers = pytest.importorskip("transformers")
     import torch
 
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
     profile = nbtrain.profile(model, batch_size=1, seq_len=1024)
-    best = nbtrain.plan(profile, h100s(n=4, memory="3GiB"), global_batch=64, seq_len=1024)
+    best = nbtrain.plan(profile, h100s(n=4, memory="2GiB"), global_batch=32, seq_len=1024)
     assert best.pp > 1, str(best)  # the case reaches the tied copy
     for p in (best, *best.alternatives):
         assert p.predicted.fits, str(p)
         last = p.predicted.stages[-1]
-        assert last.memory.total <= parse_bytes("3GiB") * (1 + 1e-9), str(p)
+        assert last.memory.total <= parse_bytes("2GiB") * (1 + 1e-9), str(p)
 
 
 def test_a_tied_embedding_and_head_get_one_stage_the_same_strategy_and_no_tp():
