@@ -32,6 +32,7 @@ _PUBLIC = {
     "Strategy": "nbtrain.planner.strategy",
     "launch": "nbtrain.run.launch.workers",
     "fit": "nbtrain.run.fit",
+    "ChunkedLMLoss": "nbtrain.profiler.chunked_loss",
     "verify": "nbtrain.run.verify",
     "Session": "nbtrain.run.session.session",
     "Optimizer": "nbtrain.run.options",

@@ -39,7 +39,9 @@ class LayerTerms:
         if self.profile.layers[index].kind != "head":
             return 0.0, 0.0
         split = 1 if self._gathers_output(index) else s.tp
-        return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act)
+        tokens, per_chunk = b * self.seq_len, self.profile.arch.get("loss_chunk_tokens")
+        return loss_bytes(self._eval(index, "output_bytes", b) / split, dtype_bytes=self.e, saved=full_act,
+                          chunk=per_chunk / tokens if per_chunk else None, tokens=tokens)
 
     def _gathers_output(self, index: int) -> bool:
         """Whether tensor parallelism gathers the layer's output whole on every rank: an LM head's logits, unless

@@ -16,9 +16,15 @@ from __future__ import annotations
 from nbtrain.planner.strategy import Strategy
 
 
-def loss_bytes(logits: float, *, dtype_bytes: int, saved: float) -> tuple[float, float]:
+def loss_bytes(logits: float, *, dtype_bytes: int, saved: float, chunk: float | None = None,
+               tokens: float = 0.0) -> tuple[float, float]:
     """(bytes the loss saves for backward, bytes its backward holds at once) for a head whose output, the logits,
-    takes ``logits`` bytes in the compute dtype (``dtype_bytes``) and which saves ``saved`` bytes in all.
+    takes ``logits`` bytes in the compute dtype (``dtype_bytes``) and which saves ``saved`` bytes in all; ``chunk``:
+    the share of the logits a :class:`~nbtrain.profiler.chunked_loss.ChunkedLMLoss` takes at a time (of ``tokens``).
+
+    The chunked loss saves the logits as they are and one fp32 log-sum-exp a token; its backward holds their
+    gradient (the logits' size and dtype) and two fp32 chunks (the upcast rows and their softmax):
+    ``loss_bytes(16e6, dtype_bytes=2, saved=90e6, chunk=1 / 8, tokens=1000) == (16004000.0, 24000000.0)``.
 
     The loss nbtrain trains with (``lm_loss``, Hugging Face's causal-LM loss alike) upcasts the logits to fp32 and
     takes their cross-entropy, which saves the log-probabilities (one fp32 copy of the logits, already among the
@@ -29,6 +35,8 @@ def loss_bytes(logits: float, *, dtype_bytes: int, saved: float) -> tuple[float,
     the model, outside the checkpoint). The loss's backward runs before the head's, whose gradient hooks have not
     yet gathered its weights nor made its gradients: the two peaks come one after the other, not together."""
     fp32 = logits * 4 / dtype_bytes
+    if chunk is not None:
+        return min(logits + 4 * tokens, saved), logits + 2 * min(1.0, chunk) * fp32
     return min(fp32, saved), 2 * fp32
 
 

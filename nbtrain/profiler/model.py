@@ -31,6 +31,7 @@ from nbtrain.errors import InvalidArgumentError, NbtrainError, ProfileError
 from nbtrain.models.adapters import ModelFamily, detect_family, set_training
 from nbtrain.models.description import describe, slot_module
 from nbtrain.models.planner_facts import planner_facts
+from nbtrain.profiler.chunked_loss import ChunkedLMLoss
 from nbtrain.profiler.fused_norm import fused_norm_facts
 from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert_params_by_layer
 from nbtrain.models.resolve import resolve_model
@@ -49,6 +50,13 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     logits = getattr(output, "logits", None)
     logits = first_tensor(output) if logits is None else logits
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+def is_next_token_loss(loss_fn) -> bool:
+    """Whether ``loss_fn`` is one of nbtrain's next-token losses (:func:`lm_loss`, a
+    :class:`~nbtrain.profiler.chunked_loss.ChunkedLMLoss`): token windows given alone then train on the next
+    tokens."""
+    return loss_fn is lm_loss or isinstance(loss_fn, ChunkedLMLoss)
 
 
 def own_loss(output, targets=None) -> torch.Tensor:
@@ -280,6 +288,8 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                          "found; nothing is priced differently")
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
+    if isinstance(loss_fn, ChunkedLMLoss):  # its fp32 work a chunk at a time (memory_terms.loss_bytes)
+        arch["loss_chunk_tokens"] = loss_fn.chunk_tokens
     if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute
         arch.update(experts=moe.experts, experts_per_token=moe.per_token, expert_params=moe.params,
                     layer_expert_params=expert_params_by_layer(

@@ -32,7 +32,7 @@ from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError, LaunchError
 from nbtrain.models.description import describe
 from nbtrain.planner.plan import Plan
-from nbtrain.profiler.model import OWN_LOSS_NOTE, carries_targets, lm_loss, own_loss
+from nbtrain.profiler.model import OWN_LOSS_NOTE, carries_targets, is_next_token_loss, lm_loss, own_loss
 from nbtrain.run.batch_sources import (AccumulatedBatches, as_windows, batch_source, checked, is_token_window,
                                       window_note)
 from nbtrain.profiler.inputs import inputs_like
@@ -252,7 +252,7 @@ def fit(model: nn.Module, data, *, plan: Plan | str | dict | None = None, steps:
         loss_fn = own_loss
         if os.environ.get("RANK", "0") == "0":
             print(OWN_LOSS_NOTE)
-    lm_targets, vocab = loss_fn is lm_loss, model_vocab_size(model)
+    lm_targets, vocab = is_next_token_loss(loss_fn), model_vocab_size(model)
     if lm_targets and vocab and is_token_window(first):  # token ids as people hold them: the next token is the target
         get_batch = as_windows(get_batch)
         if os.environ.get("RANK", "0") == "0":  # once, also under torchrun

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nbtrain.profiler.model import lm_loss
+from nbtrain.profiler.model import is_next_token_loss, lm_loss
 from nbtrain.table import Table
 from nbtrain.models.adapters import set_training
 
@@ -297,11 +297,11 @@ def verify(model: str, plan: str, *, processes: int, steps: int = 5, batch: int 
     data = list(data) if data is not None else _batches(vocab, batch, seq)
     if not data:
         raise InvalidArgumentError("data holds no batches")
-    if loss_fn is lm_loss and vocab and is_token_window(data[0]):  # token ids alone: the next tokens are targets
+    if is_next_token_loss(loss_fn) and vocab and is_token_window(data[0]):  # token ids alone: the next tokens
         print(window_note(data[0]))
         data = [split_window(b) for b in data]
     inputs, _ = check_batch(data[0], step=0, global_batch=None, seq_len=None, vocab_size=vocab,
-                            lm_targets=loss_fn is lm_loss)
+                            lm_targets=is_next_token_loss(loss_fn))
     rows, length = batch_shape(inputs)
     checked = plan_for(reference_model, plan, processes, global_batch=rows, seq_len=length,
                        tp_plan=tp_plan)  # before training

@@ -10,7 +10,7 @@ from torch import nn
 
 from nbtrain.errors import InvalidArgumentError, InvalidPlanError
 from nbtrain.planner.plan import Plan
-from nbtrain.profiler.model import lm_loss
+from nbtrain.profiler.model import is_next_token_loss
 from nbtrain.run.batch_sources import as_windows, batch_source, is_token_window
 from nbtrain.run.batches import batch_shape, check_batch, model_vocab_size
 from nbtrain.run.fit_worker import RunSettings
@@ -85,7 +85,7 @@ def _shape(session, first) -> tuple[Plan, dict]:
     """The session's plan with its global batch set from ``first`` (a call's first batch) the first time, and the
     shape every batch is checked against."""
     plan, vocab = session.plan, model_vocab_size(session.model)
-    lm_targets = session.loss_fn is lm_loss
+    lm_targets = is_next_token_loss(session.loss_fn)
     ids, _ = check_batch(first, step=session.steps_done, global_batch=plan.global_batch, seq_len=None,
                          vocab_size=vocab, lm_targets=lm_targets)
     rows, length = batch_shape(ids)
@@ -97,7 +97,7 @@ def _shape(session, first) -> tuple[Plan, dict]:
 
 
 def _windows(session) -> bool:
-    return session.loss_fn is lm_loss and bool(model_vocab_size(session.model))
+    return is_next_token_loss(session.loss_fn) and bool(model_vocab_size(session.model))
 
 
 def call_batches(session, data, steps: int, eval_data, eval_every) -> tuple[Plan, list, dict | None, int | None]:
