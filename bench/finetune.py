@@ -49,9 +49,12 @@ printed as the model's bytes (parameters, gradients, optimizer state, activation
 brackets, what nbtrain reserves besides on a GPU (CUDA context, NCCL buffers, 10% allocator headroom), which
 "fits" counts.
 
+Every row is profiled with torchtune's loss as nbtrain runs it: ``ChunkedLMLoss`` in 8 chunks (torchtune's
+``CEWithChunkedOutputLoss``), which never holds the whole logits in fp32.
+
 What nbtrain does not model and these runs had (``bench/RESULTS.md`` has the arithmetic for each row):
 torch.compile, which fuses the memory-bound ops nbtrain prices one eager kernel each (the "memory-bound" column is
-the most it could remove) and, with the chunked loss, never holds fp32 logits; FSDP2's CPU offload of parameters and
+the most it could remove); FSDP2's CPU offload of parameters and
 gradients (nbtrain's offload moves the optimizer update only); bf16 optimizer state (nbtrain keeps an fp32 master:
 its host update moves 28 bytes a parameter where torchtune's moves 14). The host's AdamW rate on a DGX A100 is the
 catalog's (``DGX_A100_ADAMW``, issue 45: its memory bandwidth over 28 bytes a parameter, 10.6 G params/s a node;
@@ -90,6 +93,9 @@ LORA = {"70B": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_
 # How torchtune ran them (module docstring): bf16 gradients reduced as they are, no clipping, FSDP2's CPU offload
 # steps after backward (ZeRO-Offload's schedule, not CoTrain's overlap)
 TORCHTUNE = CostOptions(clip=False, grad_reduce_bytes=2, offload_overlap=False)
+# torchtune's loss, CEWithChunkedOutputLoss (every config here): the logits in 8 chunks along the sequence, each upcast
+# and taken on its own, as nbtrain's ChunkedLMLoss does: 2 rows × 2048 / 8 = 512 tokens a chunk
+CHUNKED = nbtrain.ChunkedLMLoss(chunk_tokens=PER_GPU_BATCH * SEQ // 8)
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,7 @@ def profile_of(run: Run):
     key = (size, lora)
     if key not in _profiles:
         _profiles[key] = nbtrain.profile(build(size, lora), batch_size=PER_GPU_BATCH, seq_len=SEQ, dtype="bf16",
-                                         name=f"Llama 3.1 {size}" + (" LoRA" if lora else ""))
+                                         name=f"Llama 3.1 {size}" + (" LoRA" if lora else ""), loss_fn=CHUNKED)
     return _profiles[key]
 
 
