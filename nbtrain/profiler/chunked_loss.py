@@ -1,6 +1,14 @@
 """Next-token cross-entropy that never holds the logits in fp32: computed a chunk of tokens at a time.
 
-    >>> fit(model, data, plan="dp_shard=2", loss_fn=ChunkedLMLoss(chunk_tokens=512))
+    >>> from nbtrain.profiler.model import lm_loss
+    >>> torch.manual_seed(0)
+    <torch._C.Generator object at ...>
+    >>> logits, targets = torch.randn(2, 64, 1000), torch.randint(0, 1000, (2, 64))
+    >>> print(f"{ChunkedLMLoss(chunk_tokens=16)(logits, targets):.4f} {lm_loss(logits, targets):.4f}")
+    7.4474 7.4474
+
+Train with it as with any loss, ``fit(model, data, plan="dp_shard=2", loss_fn=ChunkedLMLoss(chunk_tokens=512))``,
+and profile with it (``nbtrain.profile(model, ..., loss_fn=ChunkedLMLoss(512))``) for the planner to price it.
 
 :func:`~nbtrain.profiler.model.lm_loss` upcasts the whole logits to fp32, as Hugging Face's causal-LM loss does: its
 ``log_softmax`` saves one fp32 copy for backward, and backward holds two more at once. With Llama 3's vocabulary
@@ -59,7 +67,8 @@ class ChunkedLMLoss:
     """Next-token cross-entropy over the model's logits (``output.logits`` or its first tensor) against ``targets``,
     ``chunk_tokens`` tokens at a time (module docstring); the mean over the targets that are not ``-100``.
 
-        >>> loss = ChunkedLMLoss(chunk_tokens=512)(model(ids), targets)
+        >>> ChunkedLMLoss(chunk_tokens=512)        # 2 rows × 2,048 tokens: 8 chunks, as torchtune cuts them
+        ChunkedLMLoss(chunk_tokens=512)
     """
 
     def __init__(self, chunk_tokens: int = 1024):
