@@ -75,6 +75,17 @@ def test_a_profile_with_the_chunked_loss_plans_its_head_with_less_memory():
     assert head[0].activations - head[1].activations == pytest.approx(fp32 - (bf16 + 4 * tokens), abs=8)
 
 
+def test_a_notebooks_loss_flag_is_recognised_through_its_wrapper():
+    # %%autoparallel --loss NAME wraps the cell's loss (errors inside it are then reported as the loss's)
+    from nbtrain.notebook.cell import check_loss
+    from nbtrain.profiler.model import is_next_token_loss
+
+    wrapped = check_loss(ChunkedLMLoss(16), "loss")
+    assert wrapped is not None and not isinstance(wrapped, ChunkedLMLoss)
+    assert is_next_token_loss(wrapped)  # token windows given alone train on their next tokens
+    assert nbtrain.profile("llama-tiny", batch_size=2, seq_len=64, loss_fn=wrapped).arch["loss_chunk_tokens"] == 16
+
+
 def test_a_mixed_plan_with_the_chunked_loss_trains_like_one_process():
     # the tensor-parallel head gathers its logits for a loss that is not lm_loss; token windows train on the next
     # tokens, as with lm_loss

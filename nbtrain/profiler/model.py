@@ -56,6 +56,7 @@ def is_next_token_loss(loss_fn) -> bool:
     """Whether ``loss_fn`` is one of nbtrain's next-token losses (:func:`lm_loss`, a
     :class:`~nbtrain.profiler.chunked_loss.ChunkedLMLoss`): token windows given alone then train on the next
     tokens."""
+    loss_fn = getattr(loss_fn, "__wrapped__", loss_fn)  # the loss itself, inside a functools.wraps wrapper
     return loss_fn is lm_loss or isinstance(loss_fn, ChunkedLMLoss)
 
 
@@ -288,8 +289,9 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                          "found; nothing is priced differently")
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
-    if isinstance(loss_fn, ChunkedLMLoss):  # its fp32 work a chunk at a time (memory_terms.loss_bytes)
-        arch["loss_chunk_tokens"] = loss_fn.chunk_tokens
+    chunked = getattr(loss_fn, "__wrapped__", loss_fn)  # a notebook's --loss arrives wrapped (functools.wraps)
+    if isinstance(chunked, ChunkedLMLoss):  # its fp32 work a chunk at a time (memory_terms.loss_bytes)
+        arch["loss_chunk_tokens"] = chunked.chunk_tokens
     if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute
         arch.update(experts=moe.experts, experts_per_token=moe.per_token, expert_params=moe.params,
                     layer_expert_params=expert_params_by_layer(
