@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from nbtrain.errors import InvalidArgumentError
-from nbtrain.profiler.segments import first_tensor
+from nbtrain.profiler.segments import logits_of
 
 IGNORED = -100
 """A target that counts nothing (``F.cross_entropy``'s default ``ignore_index``)."""
@@ -78,9 +78,7 @@ class ChunkedLMLoss:
         self.chunk_tokens = chunk_tokens
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
-        logits = getattr(output, "logits", None)
-        logits = first_tensor(output) if logits is None else logits
-        flat, wanted = logits.flatten(0, -2), targets.flatten()
+        flat, wanted = logits_of(output).flatten(0, -2), targets.flatten()
         total = _ChunkedCrossEntropy.apply(flat, wanted, self.chunk_tokens)
         return total / (wanted != IGNORED).sum()
 

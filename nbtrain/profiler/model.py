@@ -37,7 +37,7 @@ from nbtrain.models.experts import expert_facts, expert_parallel_problem, expert
 from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.routing import why_not_traced
 from nbtrain.profiler.result import FITTED, QUANTITIES, LayerProfile, ModelProfile, Scaling
-from nbtrain.profiler.segments import first_tensor
+from nbtrain.profiler.segments import first_tensor, logits_of
 from nbtrain.profiler.trace import Counts, Step, count, time_step
 from nbtrain.profiler.twins import block_groups, stand_in_plan
 
@@ -47,8 +47,7 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on logits, upcast to fp32 as Hugging Face's causal-LM loss does."""
-    logits = getattr(output, "logits", None)
-    logits = first_tensor(output) if logits is None else logits
+    logits = logits_of(output)
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
@@ -56,8 +55,13 @@ def is_next_token_loss(loss_fn) -> bool:
     """Whether ``loss_fn`` is one of nbtrain's next-token losses (:func:`lm_loss`, a
     :class:`~nbtrain.profiler.chunked_loss.ChunkedLMLoss`): token windows given alone then train on the next
     tokens."""
-    loss_fn = getattr(loss_fn, "__wrapped__", loss_fn)  # the loss itself, inside a functools.wraps wrapper
+    loss_fn = _unwrapped(loss_fn)
     return loss_fn is lm_loss or isinstance(loss_fn, ChunkedLMLoss)
+
+
+def _unwrapped(loss_fn):
+    """The loss itself, inside a ``functools.wraps`` wrapper (a notebook's ``--loss`` arrives wrapped)."""
+    return getattr(loss_fn, "__wrapped__", loss_fn)
 
 
 def own_loss(output, targets=None) -> torch.Tensor:
@@ -289,7 +293,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
                          "found; nothing is priced differently")
     # nbtrain's own loss runs on logits split over the vocabulary under TP (run/parallel/vocab_parallel.py)
     arch["vocab_parallel_loss"] = (loss_fn or default_loss) is lm_loss
-    chunked = getattr(loss_fn, "__wrapped__", loss_fn)  # a notebook's --loss arrives wrapped (functools.wraps)
+    chunked = _unwrapped(loss_fn)
     if isinstance(chunked, ChunkedLMLoss):  # its fp32 work a chunk at a time (memory_terms.loss_bytes)
         arch["loss_chunk_tokens"] = chunked.chunk_tokens
     if moe is not None:  # a mixture of experts: its experts' parameters count in memory, k/E of them in compute

@@ -45,6 +45,13 @@ def first_tensor(value) -> torch.Tensor | None:
     return None
 
 
+def logits_of(output) -> torch.Tensor | None:
+    """The logits of a model's output: a ``ModelOutput``'s ``.logits``, else its first tensor (a tuple's, or the
+    tensor itself)."""
+    logits = getattr(output, "logits", None)
+    return first_tensor(output) if logits is None else logits
+
+
 class SegmentTracker:
     """Hooks ``blocks`` and reports segment switches to ``observers`` (see the module docstring)."""
 

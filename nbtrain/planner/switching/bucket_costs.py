@@ -126,6 +126,7 @@ def price_bucket(costs, bound: int, rows: int) -> BucketCost:
     passes, sync, update = np.zeros((count, size)), np.zeros((count, size)), np.zeros((count, size))
     act, transient = np.zeros((count, size, groups)), np.zeros((count, size, groups))
     base = {}  # a strategy's pass costs are its layout-and-checkpointing's: offload changes only the update
+    most = peak_rows(costs, bound, rows)  # a pipeline's memory is its fullest step's
     for j, s in enumerate(costs.space):
         # the executor pads the bucket with empty rows to a multiple of dp, and computes them: priced as full
         per_rank = padded_rows(rows, s.dp) // s.dp
@@ -158,7 +159,6 @@ def price_bucket(costs, bound: int, rows: int) -> BucketCost:
                     continue
                 passes[c, j] = found.step_time_s - once
                 # memory at the step that fills the bucket most: the same micro-batch rows, more of them in flight
-                most = peak_rows(costs, bound, rows)
                 held = found if most == rows else pipeline_prediction(costs, s, bound, most, int(micro[c, j])) or found
                 where = group_stages(s, groups)
                 act[c, j] = [held.stages[k].memory.activations for k in where]
@@ -174,7 +174,7 @@ def peak_rows(costs, bound: int, rows: int) -> int:
     its fullest step's: a pipelined bucket runs the step's rows in more micro-batches of the same rows, and 1F1B
     keeps up to ``pp − i`` of them in flight on stage ``i`` (measured, issue 47: a step with four 4K rows held 2.3×
     the memory priced at the mean's one)."""
-    step = getattr(costs, "step_tokens", None)
+    step = costs.step_tokens
     return max(rows, -(-step // bound)) if step else rows
 
 

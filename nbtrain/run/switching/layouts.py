@@ -41,7 +41,7 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.models.description import described, layer_slots, slot_module
 from nbtrain.planner.switching.bucket_strategy import bucket_plan, pp_of
-from nbtrain.profiler.segments import first_tensor
+from nbtrain.profiler.segments import logits_of
 from nbtrain.run.parallel.mesh import PlanMeshes, local_shard
 from nbtrain.run.parallel.parallelize import parallelize
 from nbtrain.run.parallel.pipeline import PipelineRunner
@@ -193,7 +193,6 @@ class Layout:
 
 
 def _summed_cross_entropy(output, targets) -> torch.Tensor:
-    logits = getattr(output, "logits", None)
-    logits = first_tensor(output) if logits is None else logits
+    logits = logits_of(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100,
                            reduction="sum")
