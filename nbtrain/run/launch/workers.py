@@ -48,6 +48,7 @@ from nbtrain.run.launch.environment import (SIGNALS, check_cuda_not_initialised,
                                              launch_env, launch_folder, loopback_env, port_is_free, visible_gpus)
 from nbtrain.run.launch.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
                                          worker_processes, write_exit_report, write_whole)
+from nbtrain.run.launch.group_release import release_process_groups
 
 _PG_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default, used when no timeout is given
 _FORK_WAIT_S = 600  # how long a forked rank waits for the agent to fork the others
@@ -89,7 +90,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
     pg_timeout = datetime.timedelta(seconds=timeout) if timeout else _PG_TIMEOUT
     if launched_externally():  # already a torchrun / accelerate launch worker
         with cpu_env(visible_gpus() == 0):
-            return _run_in_group(fn, args, kwargs, int(os.environ["WORLD_SIZE"]), pg_timeout)
+            return _run_in_group(fn, args, kwargs, int(os.environ["WORLD_SIZE"]), pg_timeout, exits_normally=True)
 
     import torch.distributed as dist
 
@@ -106,7 +107,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_processes: int = 2, port: int
         raise InvalidArgumentError(f"port {port} is in use; pass another, or port=None to pick a free one")
     if num_processes == 1:
         with cpu_env(gpus == 0), loopback_env():
-            return _run_in_group(fn, args, kwargs, 1, pg_timeout)
+            return _run_in_group(fn, args, kwargs, 1, pg_timeout, exits_normally=True)
     fork_pg_timeout = datetime.timedelta(seconds=timeout + _PG_MARGIN_S) if timeout else _PG_TIMEOUT
     return _fork_and_run(fn, args, kwargs, num_processes, port, timeout, fork_pg_timeout, gpus)
 
@@ -279,7 +280,10 @@ class _Worker:
                               "of memory or processes") from None
 
 
-def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
+def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None, *, exits_normally: bool = False):
+    """``fn`` in this process's rank of the group, made here unless there is one. ``exits_normally``: this process
+    goes on, or finalizes its interpreter when it ends (torchrun's ranks, the notebook's one rank), unlike forked
+    workers (``os._exit``); the groups made here are then released whole (:mod:`.group_release`)."""
     import torch
     import torch.distributed as dist
 
@@ -314,12 +318,16 @@ def _run_in_group(fn, args, kwargs, world_size, pg_timeout, backend=None):
             # peers' last collective fail, or abort at exit ("terminate called without an active exception").
             _barrier_at_the_end(pg_timeout)
             dist.destroy_process_group()
+            if exits_normally:
+                release_process_groups()
         return result
     except BaseException:
         # A one-rank group in the notebook must not outlive the call (the next launch would fork it). With peers,
         # the process exits instead: tearing the group down could wait on a collective a peer never finishes.
         if created and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()
+            if exits_normally:
+                release_process_groups()
         raise
 
 
