@@ -340,9 +340,9 @@ def test_ctrl_c_stops_the_workers_and_reraises_keyboard_interrupt():
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads by name in /proc (Linux)")
 def test_under_torchrun_a_sharded_fit_leaves_no_gloo_thread_to_the_interpreters_exit(tmp_path):
-    # FSDP2's modules outlive the run (torch 2.13 leaves them uncollectable) and kept every group's gloo threads alive
+    # The run's FSDP2 structures and DeviceMeshes outlive it and kept every group's gloo threads alive
     # after destroy_process_group: one that freed a finished collective while the interpreter finalized aborted the
-    # rank after training (SIGABRT, in about 1 of 4 exported jobs on a loaded machine). Before the fix: 12 threads a rank.
+    # rank after training (SIGABRT, 2 of about 9 exported jobs on a loaded machine). Before the fix: 12 threads a rank.
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         import os, torch, nbtrain

@@ -2,10 +2,12 @@
 as it exits.
 
 ``torch.distributed.destroy_process_group()`` forgets the groups; each group's gloo threads end only when the last
-Python reference to it goes. FSDP2's sharded modules keep references (their parameter groups name the groups, and
-their ``DeviceMesh`` holds them), and torch 2.13's FSDP2 leaves a module it has run uncollectable: after one forward,
-``del model; gc.collect()`` frees nothing (a reference no Python collector sees, made in ``FSDPState._lazy_init``).
-So after a ``dp_shard`` plan every group of the run lives on, two gloo threads each, until the process exits.
+Python reference to it goes. After a ``dp_shard`` fit under torchrun, the run's FSDP2 structures were still alive in
+each rank (the ``FSDPMeshInfo`` of every sharded group, and four ``DeviceMesh`` objects), and every ``DeviceMesh``
+holds its groups in ``_pg_registry``: a dict of process groups only, which Python's collector does not track, so no
+referrer shows. Every group of the run lived on, 12 gloo threads a rank, until the process exited. (torch 2.13's
+FSDP2 can also leave a module it has run uncollectable: ``fully_shard`` on each ``nn.Linear`` of an
+``nn.Sequential`` and on the root, one forward, then ``del model; gc.collect()`` frees nothing.)
 
 That is harmless in a forked worker (it leaves by ``os._exit``) but not in a process that exits normally, as under
 ``torchrun``: a gloo thread that drops a finished collective's last reference after the interpreter began to
@@ -16,8 +18,9 @@ exactly that (``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` → ``decr
 none of 24 with this release.
 
 :func:`release_process_groups` drops what the run's objects still hold, once the groups are destroyed: every
-attribute that is a process group, and every ``DeviceMesh``'s registry of them. The groups' own destructors then
-join their threads (torch releases the GIL while they do), so nothing of gloo runs when the interpreter finalizes.
+``DeviceMesh``'s registry of them (this alone ended the 12 threads), and every attribute that is a process group.
+The groups' own destructors then join their threads (torch releases the GIL while they do), so nothing of gloo runs
+when the interpreter finalizes.
 """
 
 from __future__ import annotations
