@@ -15,13 +15,12 @@ finalize needs the GIL to free the collective's tensors, cannot take it, and the
 without an active exception", SIGABRT) after training finished. A core dump of an exported job's rank showed
 exactly that (``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` → ``decref_pyobject`` → ``take_gil`` →
 ``pthread_exit``). It happened in 2 of about 9 runs of the exported two-node job on a loaded 2-core machine, and in
-none of 24 with this release.
+none of 36 with this release.
 
 :func:`release_process_groups` drops what the run's objects still hold, once the groups are destroyed: every
 ``DeviceMesh``'s registry of them (this alone ended the 12 threads), and every attribute of torch.distributed's objects
-that is a process group.
-The groups' own destructors then join their threads (torch releases the GIL while they do), so nothing of gloo runs
-when the interpreter finalizes.
+that is a process group. The groups' own destructors then join their threads (torch releases the GIL while they do),
+so nothing of gloo runs when the interpreter finalizes.
 """
 
 from __future__ import annotations
