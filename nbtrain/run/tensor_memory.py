@@ -63,6 +63,7 @@ class SavedActivations:
         self.peak = 0
         self._counts: dict[int, list[int]] = {}  # data pointer → [bytes, saved references alive]
         self._exclude = {found[0] for t in exclude if (found := _storage(t))}
+        self._refs: dict[int, weakref.ref] = {}  # the saved tensors' weak references, alive until their tensor goes
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -85,14 +86,19 @@ class SavedActivations:
         # was never freed. The storage is counted until both are gone: autograd's copy and the caller's tensor
         packed = t.detach()
         holders = [2]
+        refs = self._refs
 
-        def one_gone() -> None:
+        def one_gone(ref) -> None:
+            del refs[id(ref)]
             holders[0] -= 1
             if holders[0] == 0:
                 self._release(pointer)
 
-        weakref.finalize(packed, one_gone)
-        weakref.finalize(t, one_gone)
+        # weak references with a callback, kept alive here, not weakref.finalize: a finalizer costs ~5 µs to make,
+        # and a small model's step saves ~85 tensors (1.0-1.3 ms of a 11 ms 2-process step went to this hook)
+        for tensor in (packed, t):  # keyed by the reference's id: two references to live tensors compare by ==
+            ref = weakref.ref(tensor, one_gone)
+            refs[id(ref)] = ref
         return packed
 
     def _release(self, pointer: int) -> None:
