@@ -126,10 +126,10 @@ def test_sessions_train_on_across_cells_change_the_lr_replan_generate_save_and_c
     assert "session (open): tp=2 on 2 processes, 12 steps" in everything  # replanned, and on
     assert "generated: b'def " in everything and "session-ckpt/step-00000012" in everything
     assert "session (closed)" in everything
-    # the magic keeps the plan it recommends for this machine (dp_shard or dp_replicate, by its measured links) and
-    # the next cell trains that session on
+    # the magic keeps the plan it recommends for this machine (dp_shard, dp_replicate or a pipeline, by its measured
+    # links: all of the plan's words, "pp=2 mb=2 ..." too) and the next cell trains that session on
     kept = next(text_of(c) for c in nb.cells if c.cell_type == "code" and "--keep kept" in "".join(c.source))
-    plan = re.search(r"trained under: (\S+)", kept).group(1)
+    plan = re.search(r"trained under: (.+)", kept).group(1).strip()
     assert "the session is in kept" in kept and f"session (open): {plan} on 2 processes, 4 steps" in kept
     assert f"session (open): {plan} on 2 processes, 8 steps" in everything
     assert (tmp_path / "session-model" / "config.json").exists()
