@@ -118,6 +118,31 @@ def test_ddp_pays_what_it_was_measured_to_add_for_the_model_s_gradient_bytes():
     assert paid == pytest.approx(0.002 + grad_bytes / (100 * MB))  # the fixed part once a step, the bytes at the rate
 
 
+def test_ddp_of_a_small_model_pays_what_was_measured_at_small_sizes_not_a_line_bent_by_the_large_ones():
+    """DDP on 2 gloo processes here added 1.1 ms at 64 KiB of gradients, 1.8 at 256 KiB, 4.5 at 1 MiB, 7.7 at 4 MiB
+    and 9.9 at 9 MiB (one measurement). The line through them has a 2.3 ms fixed part and 1.1 GB/s, so it put
+    2.5 ms under 256 KiB (1.4x what was measured there) and 2.4 under 64 KiB (2.2x); for a model between two
+    measured sizes, the segment joining them is what the measurements say."""
+    points = ((65536, 0.00109), (262144, 0.00178), (1048576, 0.00447), (4194304, 0.00772), (9437184, 0.00994))
+    latency, bandwidth = fit_line(points)
+    links = Links((Link("ddp_backward", 2, 2, latency, bandwidth, points),), ((2, 1.0),))
+    plan = Plan.parse("dp_replicate=2", num_devices=2, num_layers=6, global_batch=8, seq_len=64)
+
+    def paid(params_per_layer: int) -> float:
+        prof = toy(params=params_per_layer)
+        return CostModel(prof, cpu(links=links), global_batch=8).estimate(plan).time.dp_comm
+
+    def params(nbytes: int) -> int:  # per layer of the six, for ``nbytes`` of fp32 gradients in all
+        return round(nbytes / 4 / 6)
+
+    close = dict(rel=1e-3)  # the sizes above, to a few bytes
+    assert paid(params(32768)) == pytest.approx(0.00109, **close)  # below 64 KiB: what 64 KiB took
+    assert paid(params(262144)) == pytest.approx(0.00178, **close)
+    assert paid(params(655360)) == pytest.approx((0.00178 + 0.00447) / 2, **close)  # halfway from 256 KiB to 1 MiB
+    assert paid(params(16 * 2**20)) == pytest.approx(0.00994 + (16 * 2**20 - 9437184) / bandwidth, **close)
+    assert latency + 262144 / bandwidth > 1.4 * 0.00178  # what the line alone said
+
+
 def test_fsdp_pays_its_measured_gather_and_reduce_per_layer_and_per_parameter_byte():
     prof = toy()
     links = measured({"fsdp_forward": (0.001, 1000 * MB), "fsdp_backward": (0.002, 500 * MB),

@@ -81,6 +81,26 @@ class Link:
     def seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
 
+    def as_measured(self, nbytes: float) -> float:
+        """Seconds for ``nbytes`` read off the measured points themselves, where a line through them would bend
+        small sizes toward the large ones: between two points, on the segment joining them; below the smallest,
+        the smallest's seconds (what does not shrink with bytes: hooks, a collective's round trips); above the
+        largest, that point's seconds plus the extra bytes at the fitted bandwidth. Without two points, the line.
+
+            >>> Link("ddp_backward", 2, 2, 0.0, 1e9, points=((2**16, 0.002), (2**20, 0.003))).as_measured(2**18)
+            0.0022
+        """
+        points = sorted(self.points)
+        if len(points) < 2:
+            return self.seconds(nbytes)
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if nbytes <= x1:
+                return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+        last_bytes, last_seconds = points[-1]
+        return last_seconds + (nbytes - last_bytes) / self.bandwidth
+
 
 @dataclass(frozen=True)
 class Links:
@@ -209,7 +229,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 
 
 def cache_file(world_size: int):
