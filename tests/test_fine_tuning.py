@@ -5,7 +5,7 @@ A LoRA layer's base is split by the model's tensor-parallel plan and its adapter
 (nbtrain.models.lora: B with a column-split base, A with a row-split one); its pipeline stages run the Hugging Face
 model inside peft's wrapper by its own forward. ``verify`` trains a copy in one process and one under the plan from the
 same weights and batches, and fails if a frozen parameter changed by any bit (torch's ``SequenceParallel`` made frozen
-norms trainable until nbtrain kept them frozen: nbtrain.run.parallel.parallelize.split_module).
+norms trainable until nbtrain kept them frozen: nbtrain.models.tensor_parallel.split_module).
 """
 
 from __future__ import annotations

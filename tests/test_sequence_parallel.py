@@ -245,3 +245,45 @@ def test_the_planner_chooses_sp_where_it_pays_and_plain_tp_where_it_only_ties():
     # all-gather of the hidden state is paid with sp or without
     blocks = best.layers[1:-1]
     assert all(s.sp for s in blocks[:-1]) and sum(s.ac is True for s in blocks) < len(blocks), str(best)
+
+
+def _backward_collectives_worker(rank, world, port, queue):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tests.distributed_fixtures import gloo_worker
+
+    with gloo_worker(rank, world, port, queue) as report:
+        from nbtrain.models.description import layer_slots
+        from nbtrain.profiler.model import lm_loss
+        from nbtrain.run.parallel.mesh import PlanMeshes
+        from nbtrain.run.parallel.parallelize import parallelize
+
+        counts = {}
+        for text in ("tp=2", "tp=2 sp"):
+            torch.manual_seed(0)
+            model = hf_llama()
+            plan = Plan.parse(text, num_devices=world, num_layers=len(layer_slots(model)), global_batch=BATCH,
+                              seq_len=SEQ)
+            model = parallelize(model, plan, PlanMeshes(plan))
+            ids = torch.randint(0, 64, (BATCH, SEQ))
+            loss = lm_loss(model(ids, use_cache=False), ids)
+            with CommDebugMode() as seen:
+                loss.backward()
+            counts[text] = {str(op).split(".")[-1]: n for op, n in seen.get_comm_counts().items()}
+        report(counts)
+
+
+def test_a_tensor_parallel_block_reduces_its_input_gradient_once_at_the_attention_and_once_at_the_mlp():
+    """Megatron's split costs a block two all-reduces of the hidden state in backward (Shoeybi et al. 2019, §3:
+    the ``f`` operator before the attention and before the MLP), and the planner prices two. The executor handed
+    each column-parallel projection of a transformers Llama the plain hidden state, so each all-reduced its own
+    input gradient: q, k, v, gate and up, five a block (11 in this 2-block model's backward where 5 do); under
+    ``sp`` each still all-reduced, then sliced, where one reduce-scatter at the attention and one at the MLP do."""
+    from tests.distributed_fixtures import spawn_group
+
+    counts = spawn_group(_backward_collectives_worker, 2)
+    blocks = 2
+    # 2 a block, and the head's own: its colwise_gather_output projection takes the final norm's output whole
+    assert counts["tp=2"] == {"all_reduce": 2 * blocks + 1}
+    assert counts["tp=2 sp"]["reduce_scatter_tensor"] == 2 * blocks
+    assert counts["tp=2 sp"]["all_reduce"] == 1

@@ -38,7 +38,8 @@ torchtitan combines them (:func:`sequence_style`):
 ``sequence_parallel``       ``SequenceParallel()`` on a norm: it runs on this rank's part of the sequence
 ``gather_input:NAME``       ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())`` on the
                             hidden state (first argument, or the keyword ``NAME``) of the attention or the MLP: the
-                            sequence all-gathered before the column-parallel projections
+                            sequence all-gathered before the column-parallel projections (handed to them as one
+                            DTensor where :func:`shared_input_modules` allows, as :class:`ShareInput` without ``sp``)
 ``rowwise_sequence_output`` ``RowwiseParallel(output_layouts=Shard(1))``: the partial sums reduce-scattered along the
                             sequence instead of all-reduced
 ==========================  ==========================================================================================
@@ -51,7 +52,7 @@ import re
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel)
+                                               SequenceParallel, parallelize_module)
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.lora import lora_parts, lora_problem
@@ -174,24 +175,76 @@ def check_style(name: str, module: nn.Module, style: str, tp: int) -> str:
 
 
 class GatherSequenceInput(PrepareModuleInput):
-    """torch's ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True)``
-    on a module's hidden state, whether the block passes it first by position (nbtrain's GPT: ``attn(x, doc_ids)``)
-    or by keyword ``name`` (a Hugging Face decoder layer: ``self_attn(hidden_states=...)``); the other arguments pass
-    as they are. (``PrepareModuleInput`` itself wants one layout per positional argument, so one instance cannot
-    take both calls.)
+    """torch's ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())`` on a module's hidden
+    state, whether the block passes it first by position (nbtrain's GPT: ``attn(x, doc_ids)``) or by keyword ``name``
+    (a Hugging Face decoder layer: ``self_attn(hidden_states=...)``); the other arguments pass as they are.
+    (``PrepareModuleInput`` itself wants one layout per positional argument, so one instance cannot take both
+    calls.) ``shared=True`` hands the module a replicated DTensor (:func:`shared_input_modules`), else its local
+    tensor.
 
         >>> GatherSequenceInput("hidden_states").input_kwarg_layouts
         {'hidden_states': Shard(dim=1)}
     """
 
-    def __init__(self, name: str):
-        super().__init__(input_kwarg_layouts={name: Shard(1)}, desired_input_kwarg_layouts={name: Replicate()},
-                         use_local_output=True)
+    arrives = Shard(1)
+
+    def __init__(self, name: str, shared: bool = False):
+        super().__init__(input_kwarg_layouts={name: self.arrives}, desired_input_kwarg_layouts={name: Replicate()},
+                         use_local_output=not shared)
 
     def _prepare_input_fn(self, inputs, device_mesh):
         if not inputs:
             return inputs
-        return (self._prepare_input_arg(inputs[0], device_mesh, Shard(1), Replicate()), *inputs[1:])
+        return (self._prepare_input_arg(inputs[0], device_mesh, self.arrives, Replicate()), *inputs[1:])
+
+
+class ShareInput(GatherSequenceInput):
+    """A module's whole hidden state (its first argument, or the keyword ``name``) handed to it as a replicated
+    DTensor, torchtitan's ``PrepareModuleInput(desired_input_layouts=Replicate())`` on the attention and the MLP:
+    the column-parallel projections inside all take it, their input gradients (partial sums, one per projection)
+    add up as one ``Partial`` DTensor, and backward all-reduces it once at the module's input, as Megatron's ``f``
+    does. Given the plain tensor to each projection instead, each all-reduced its own: 5 all-reduces of the hidden
+    state a Llama block in backward (``q``, ``k``, ``v``, ``gate``, ``up``) where 2 do (:func:`shared_input_modules`).
+
+        >>> ShareInput("hidden_states").use_local_output
+        False
+    """
+
+    arrives = Replicate()
+
+    def __init__(self, name: str):
+        super().__init__(name, shared=True)
+
+
+def shared_input_modules(block: nn.Module, name: str, split: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``[(module name, its forward's first parameter)]``: the direct children of ``block`` (named ``name``, split by
+    TP as ``split`` says) whose hidden state :class:`ShareInput` hands over as one DTensor: those holding two or more
+    column-parallel projections (one all-reduce saved in backward for each beyond the first) and a row-wise one,
+    where every module with weights is split (a weight left whole, a router or a LoRA adapter nbtrain does not split,
+    would meet a DTensor) and no ``nn.Dropout`` draws (it would draw DTensor's random numbers, not one process's).
+
+        >>> from nbtrain.models import GPT, GPTConfig
+        >>> from nbtrain.models.description import describe
+        >>> d = describe(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)))
+        >>> shared_input_modules(d.model.blocks[0], "blocks.0", d.tensor_parallel[1])
+        [('blocks.0.attn', 'x')]
+    """
+    import inspect
+
+    styles = dict(split)
+    found = []
+    for child_name, child in block.named_children():
+        full = f"{name}.{child_name}" if name else child_name
+        inside = {n[len(full) + 1:]: style for n, style in styles.items() if n.startswith(full + ".")}
+        if sum(style == "colwise" for style in inside.values()) < 2 or "rowwise" not in inside.values():
+            continue
+        weighted = [n for n, m in child.named_modules() if any(True for _ in m.parameters(recurse=False))]
+        if any(n not in inside for n in weighted):
+            continue
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in child.modules()):
+            continue
+        found.append((full, next(iter(inspect.signature(child.forward).parameters), "hidden_states")))
+    return found
 
 
 def sequence_style(role: str) -> ParallelStyle:
@@ -257,3 +310,15 @@ def tp_plan_example(block: nn.Module, blocks_path: str | None) -> str:
                     "Linear's output features, rowwise its input features and sums the parts; a pair is exact only "
                     "where what runs between them works on each feature alone")
     return f" (fit(..., tp_plan={{'{prefix}.MODULE': 'colwise', ...}}){how}"
+
+
+def split_module(module: nn.Module, mesh, style) -> None:
+    """``parallelize_module(module, mesh, style)``, each parameter as trainable as it was: torch's
+    ``SequenceParallel`` (and ``HeadNorm``, built on it) re-creates a module's parameters as replicated DTensors
+    that require gradients, so a frozen norm of a LoRA model trained under ``sp`` (seen: its weights moved by 4e-3
+    in one step while one process left them)."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    parallelize_module(module, mesh, style)
+    for name, p in module.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)

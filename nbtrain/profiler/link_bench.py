@@ -109,11 +109,12 @@ def _tp_pairs(world: int) -> list[tuple[str, int, int, float]]:
 def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
     """Inside a spawned worker: what tensor parallelism adds to a whole transformer block (nbtrain's GPT block:
     q, k, v colwise, o rowwise, the MLP's pair; its norms and attention on the local heads), by hidden-state bytes,
-    beyond its split compute."""
+    beyond its split compute. The block is split as the executor splits it, the attention's input handed over once
+    (:class:`~nbtrain.models.tensor_parallel.ShareInput`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from nbtrain.models.description import describe
-    from nbtrain.models.tensor_parallel import style_for
+    from nbtrain.models.tensor_parallel import ShareInput, shared_input_modules, style_for
 
     found = []
     for k in [k for k in group_sizes(world) if k <= 4]:  # 4 heads: split at most 4 ways
@@ -121,9 +122,13 @@ def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
         for batch, seq, h in TP_BLOCKS:
             model = _gpt_block_model(seq, h)
             split = copy.deepcopy(model)
-            for name, style in describe(split).tensor_parallel[1]:
+            description = describe(split)
+            shared = shared_input_modules(split.blocks[0], description.names[1][0], description.tensor_parallel[1])
+            for name, style in description.tensor_parallel[1]:
                 module = split.get_submodule(name)
                 parallelize_module(module, mesh["g"], style_for(module, style))
+            for name, first in shared:
+                parallelize_module(split.get_submodule(name), mesh["g"], ShareInput(first))
             x = torch.randn(batch, seq, h)
             fwd, bwd = added_seconds(model.blocks[0], split.blocks[0], x, compute_share=1 / k)
             nbytes = batch * seq * h * 4

@@ -19,6 +19,10 @@ gathered by ``PrepareModuleInput(Shard(1) → Replicate())``, the row-wise proje
 (``output_layouts=Shard(1)``), so between two ``sp`` blocks the hidden state stays split along the sequence. The
 embedding hands on, the head takes, and a pipeline stage sends the whole sequence; the re-layout hooks
 (:mod:`nbtrain.run.parallel.relayout`) slice and gather it at those boundaries and beside non-``sp`` layers.
+With or without ``sp``, an attention or MLP whose weights are all split takes its hidden state as one replicated
+DTensor (:class:`~nbtrain.models.tensor_parallel.ShareInput`, torchtitan's ``use_local_output=False``): its
+column-parallel projections' input gradients add up as one partial sum, reduced once (reduce-scattered under
+``sp``), Megatron's two reductions a block in backward where one per projection ran before.
 
 ZeRO levels map to ``reshard_after_forward``: ZeRO-3 frees the gathered parameters after forward and gathers
 again in backward; ZeRO-2 keeps them until backward (Zhao et al. 2023, PyTorch FSDP, §3.2).
@@ -32,7 +36,6 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -42,7 +45,8 @@ from nbtrain.models.description import (ModelDescription, WholeModel, describe, 
                                         slot_module)
 from nbtrain.models.experts import expert_facts, expert_modules, expert_parallel_problem
 from nbtrain.models.stages import stage_layers
-from nbtrain.models.tensor_parallel import sequence_style, style_for
+from nbtrain.models.tensor_parallel import (GatherSequenceInput, ShareInput, sequence_style,
+                                           shared_input_modules, split_module, style_for)
 from nbtrain.planner.plan import Plan
 from nbtrain.planner.strategy import Strategy, head_split_problem
 from nbtrain.profiler.selective import LINEAR_MATMULS, keeps
@@ -133,9 +137,14 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
                     continue
                 split_module(module, mesh["tp"], sequence_style("rowwise_sequence_output")
                                    if split_sequence and style == "rowwise" else style_for(module, style))
+            shared = dict(shared_input_modules(slot_module(*slots[0]), description.names[i][0],
+                                               description.tensor_parallel[i])) if 0 < i < last else {}
             for name, role in description.sequence_parallel[i] if split_sequence else ():
                 if role != "rowwise_sequence_output":
-                    split_module(model.get_submodule(name), mesh["tp"], sequence_style(role))
+                    split_module(model.get_submodule(name), mesh["tp"], GatherSequenceInput(shared[name], shared=True)
+                                 if name in shared and role.startswith("gather_input:") else sequence_style(role))
+            for name, first in shared.items() if not split_sequence else ():
+                split_module(model.get_submodule(name), mesh["tp"], ShareInput(first))
             description.local_heads(i, s.tp)
             if together and i == last:  # TP gave the head a DTensor of its own: the embedding's, laid out alike
                 retie(ties, to="first")
@@ -178,18 +187,6 @@ def parallelize(model: nn.Module, plan: Plan, meshes: PlanMeshes,
         add_fsdp_root(model, layers, plan, meshes, policy, ignored=alone)
     _place_stage(model, layers, traced, plan, meshes, None if traced is not None else values)
     return model
-
-
-def split_module(module: nn.Module, mesh, style) -> None:
-    """``parallelize_module(module, mesh, style)``, each parameter as trainable as it was: torch's
-    ``SequenceParallel`` (and ``HeadNorm``, built on it) re-creates a module's parameters as replicated DTensors
-    that require gradients, so a frozen norm of a LoRA model trained under ``sp`` (seen: its weights moved by 4e-3
-    in one step while one process left them)."""
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
-    parallelize_module(module, mesh, style)
-    for name, p in module.named_parameters():
-        if name in frozen:
-            p.requires_grad_(False)
 
 
 def _place_stage(model: nn.Module, layers: list, traced, plan: Plan, meshes: PlanMeshes, values) -> None:
