@@ -253,8 +253,13 @@ def _pipeline_microbatch(world: int) -> list[tuple[str, int, int, float]]:
     (:data:`PP_DEPTHS`), so the difference between 8 and 2 micro-batches of the same shape, less those micro-batches'
     compute timed alone, is the schedule's. The stages compute for milliseconds between transfers, as real stages
     do: with one Linear layer a stage (0.2 ms) this read 0.3-1.2 ms a micro-batch here, with 1-5 ms of compute
-    1.3-1.9 ms, and a 2-stage pipeline of a transformers Llama measured 1.4-2.2x its prediction."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    1.3-1.9 ms, and a 2-stage pipeline of a transformers Llama measured 1.4-2.2x its prediction.
+
+    The three timings are taken in rounds, one of each back to back, and the round's difference is kept: a
+    difference of two medians taken a few seconds apart read 1.35, 0.35 and 3.5 ms at 32, 128 and 512 KiB in one
+    measurement and 1.25, 2.34 and 0 (negative) in the next, the machine's drift between the medians larger than
+    the micro-batches' cost."""
+    from torch.distributed.pipelining import PipelineStage
 
     found = []
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("outer", "pp"))
@@ -263,23 +268,32 @@ def _pipeline_microbatch(world: int) -> list[tuple[str, int, int, float]]:
         torch.manual_seed(0)
         layer = nn.Sequential(*(nn.Linear(h, h) for _ in range(depth)))
         x = torch.randn(4, 32, h)
-        alone = median_seconds(lambda: layer(x).sum().backward(), dist.barrier)  # one micro-batch's compute, one stage
-        seconds = {}
-        for m in PP_MICROBATCHES:
-            pipe = PipelineStage(layer, stage, 2, torch.device("cpu"), group=group)
-            schedule = Schedule1F1B(pipe, n_microbatches=m, loss_fn=lambda out, target: out.sum())
-            batch = torch.randn(4 * m, 32, h)
-
-            def step():
-                if stage == 0:
-                    schedule.step(batch)
-                else:
-                    schedule.step(target=batch, losses=[])
-            seconds[m] = slowest_rank(median_seconds(step, lambda: dist.barrier(group=group)))
+        steps = {m: _schedule_step(PipelineStage(layer, stage, 2, torch.device("cpu"), group=group), stage, m,
+                                   torch.randn(4 * m, 32, h)) for m in PP_MICROBATCHES}
+        for step in steps.values():
+            step()  # warm-up: the stage infers its shapes, gloo connects
         low, high = PP_MICROBATCHES
-        per_microbatch = (seconds[high] - seconds[low]) / (high - low) - alone
-        found.append(("pp_microbatch", 2, 4 * 32 * h * 4, max(0.0, per_microbatch)))
+        rounds = []
+        for _ in range(REPEATS):
+            alone = once_seconds(lambda: layer(x).sum().backward())  # one micro-batch's compute, one stage
+            seconds = {m: once_seconds(steps[m]) for m in PP_MICROBATCHES}
+            rounds.append((seconds[high] - seconds[low]) / (high - low) - alone)
+        found.append(("pp_microbatch", 2, 4 * 32 * h * 4, max(0.0, slowest_rank(statistics.median(rounds)))))
     return found
+
+
+def _schedule_step(pipe, stage: int, microbatches: int, batch: torch.Tensor):
+    """One training step of a 1F1B schedule over ``pipe`` (this rank's stage of 2), as a function."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    schedule = Schedule1F1B(pipe, n_microbatches=microbatches, loss_fn=lambda out, target: out.sum())
+
+    def step():
+        if stage == 0:
+            schedule.step(batch)
+        else:
+            schedule.step(target=batch, losses=[])
+    return step
 
 
 def measure_in_worker(world: int) -> tuple[list, float]:
