@@ -197,6 +197,10 @@ def test_measuring_times_every_layer_on_the_cpu():
     assert prof.measured_on == "cpu"
     assert all(layer.time_fwd_s > 0 and layer.time_bwd_s > 0 for layer in prof.blocks)
     assert "fwd (cpu)" in str(prof)
+    # of each time, the part rows do not scale (timed again at one row): within the time itself
+    assert all(0 <= layer.time_fwd_fixed_s <= layer.time_fwd_s and 0 <= layer.time_bwd_fixed_s <= layer.time_bwd_s
+               for layer in prof.layers)
+    assert any(layer.time_fwd_fixed_s > 0 for layer in prof.layers)
 
 
 def test_profiling_leaves_the_model_as_it_was():

@@ -33,7 +33,7 @@ KEPT = 8
 """Tables kept: a notebook that moves between a few clusters, batches and lengths finds each again."""
 
 
-MEASURED = ("time_fwd_s", "time_bwd_s")
+MEASURED = ("time_fwd_s", "time_bwd_s", "time_fwd_fixed_s", "time_bwd_fixed_s")
 """A layer's measured times: noise between equal blocks, which the search's layer kinds leave out."""
 
 

@@ -99,10 +99,11 @@ class LayerTerms:
         prof, c = self.profile.layers[index], self.cluster
         flops_fwd = self._eval(index, "flops_fwd", b) / tp
         flops_bwd = self._eval(index, "flops_bwd", b) / tp
-        if self.measured and prof.time_fwd_s is not None:
+        if self.measured and prof.time_fwd_s is not None:  # what rows do not scale is paid whole on each call
             tokens = b * self.seq_len / (self.profile.batch_size * self.profile.seq_len) / tp
-            fwd = prof.time_fwd_s * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
-            bwd = prof.time_bwd_s * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
+            fixed_fwd, fixed_bwd = prof.time_fwd_fixed_s, prof.time_bwd_fixed_s
+            fwd = fixed_fwd + (prof.time_fwd_s - fixed_fwd) * (flops_fwd / prof.flops_fwd if prof.flops_fwd else tokens)
+            bwd = fixed_bwd + (prof.time_bwd_s - fixed_bwd) * (flops_bwd / prof.flops_bwd if prof.flops_bwd else tokens)
         elif by_kernel_class(prof, c, timed_here=self.measured):  # a GPU, kernels counted
             fwd, bwd = (seconds(self._fused_work(index, w, d, b).split(tp), c)
                         for w, d in zip(layer_work(prof, b, self.seq_len), ("fwd", "bwd")))

@@ -38,7 +38,7 @@ from nbtrain.models.resolve import resolve_model
 from nbtrain.profiler.routing import why_not_traced
 from nbtrain.profiler.result import FITTED, QUANTITIES, LayerProfile, ModelProfile, Scaling
 from nbtrain.profiler.segments import first_tensor, logits_of
-from nbtrain.profiler.trace import Counts, Step, count, time_step
+from nbtrain.profiler.trace import Counts, Step, count, time_with_fixed_part
 from nbtrain.profiler.twins import block_groups, stand_in_plan
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -263,7 +263,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
             step = dataclasses.replace(step, twins=None)
         fits = _fit(step, asked, batch_size, seq_len)
         device = _measure_device(measure)
-        times = time_step(_materialized(step, device), batch_size, seq_len, device) if device else None
+        times = time_with_fixed_part(_materialized(step, device), batch_size, seq_len, device) if device else None
     finally:
         model.train(was_training)
 
@@ -280,7 +280,7 @@ def profile(model, *, batch_size: int = 1, seq_len: int | None = None, dtype="bf
         if any(fits[i][q](batch_size, seq_len) != exact[q] for q in QUANTITIES):
             notes.append(f"{layer_name}: a cost does not follow a polynomial in batch and length; "
                          "other shapes are estimates")
-        measured = {k: times[k][i] for k in ("time_fwd_s", "time_bwd_s")} if times else {}
+        measured = {k: times[k][i] for k in times} if times else {}
         layers.append(LayerProfile(layer_name, kind, owned[i], owned[i] * torch_dtype.itemsize, **exact,
                                    scaling=fits[i], tied=tuple(tied[i]), **measured, trained_params=trained[i]))
     arch = {k: getattr(family, k) for k in ("n_embd", "n_head", "n_kv_head", "vocab_size", "max_seq_len")}

@@ -108,6 +108,12 @@ class LayerProfile:
     """Measured forward seconds on ``ModelProfile.measured_on`` (median of repeats), when measured."""
     time_bwd_s: float | None = None
     """Measured backward seconds, when measured."""
+    time_fwd_fixed_s: float = 0.0
+    """Of :attr:`time_fwd_s`, the seconds a call takes whatever its rows (Python and dispatch per op, on a GPU the
+    launches), from the layer timed again at one row (:func:`~nbtrain.profiler.trace.time_with_fixed_part`): a plan
+    that splits the rows or the matmuls (micro-batches, data or tensor parallelism) pays it whole on every call."""
+    time_bwd_fixed_s: float = 0.0
+    """The same of :attr:`time_bwd_s`."""
     trained_params: int = -1
     """Of :attr:`params`, those training updates (``requires_grad``): a LoRA model's adapters, the unfrozen layers.
     The others are frozen: no gradient, no optimizer state, nothing to sync, update or offload (their backward
@@ -127,7 +133,7 @@ class LayerProfile:
     def at(self, batch_size: int, seq_len: int) -> "LayerProfile":
         """This layer at another shape (measured times are dropped: they hold only for the measured shape)."""
         values = {q: self.scaling[q](batch_size, seq_len) for q in QUANTITIES if q in self.scaling}
-        return replace(self, **values, time_fwd_s=None, time_bwd_s=None)
+        return replace(self, **values, time_fwd_s=None, time_bwd_s=None, time_fwd_fixed_s=0.0, time_bwd_fixed_s=0.0)
 
     def same_shape(self, other: "LayerProfile") -> bool:
         """Whether two layers cost the same (used to fold identical blocks into one table row)."""

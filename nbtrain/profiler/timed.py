@@ -6,7 +6,8 @@
 
 On a CPU cluster each worker process runs one intra-op thread (``nbtrain.launch`` sets it), so its layers are timed
 with one thread here too; the cost model then scales each layer's time by FLOPs to a plan's micro-batch
-(Galvatron-BMW profiles compute the same way) and by the processes that share a core. On a GPU the layers are
+(Galvatron-BMW profiles compute the same way), less the part its rows do not scale (timed again at one row), which
+every call pays whole, and by the processes that share a core. On a GPU the layers are
 timed there, with CUDA events (:class:`~nbtrain.profiler.observers.Timer`), in the run's precision.
 """
 
