@@ -197,10 +197,26 @@ def test_measuring_times_every_layer_on_the_cpu():
     assert prof.measured_on == "cpu"
     assert all(layer.time_fwd_s > 0 and layer.time_bwd_s > 0 for layer in prof.blocks)
     assert "fwd (cpu)" in str(prof)
-    # of each time, the part rows do not scale (timed again at one row): within the time itself
+
+
+def test_a_measured_layer_keeps_the_part_of_its_time_that_rows_do_not_scale(monkeypatch):
+    """The layers are timed at the profile's rows and again at one row; the line through the two gives the part of
+    each time that every call pays whatever its rows, kept within both times (a busy moment can time one row slower
+    than eight)."""
+    from nbtrain.profiler import trace
+
+    prof = nbtrain.profile("gpt-tiny", batch_size=8, seq_len=32, dtype="fp32", measure="cpu")
     assert all(0 <= layer.time_fwd_fixed_s <= layer.time_fwd_s and 0 <= layer.time_bwd_fixed_s <= layer.time_bwd_s
                for layer in prof.layers)
-    assert any(layer.time_fwd_fixed_s > 0 for layer in prof.layers)
+
+    timed = {8: {"time_fwd_s": {0: 0.010, 1: 0.004}, "time_bwd_s": {0: 0.020, 1: 0.004}},  # seconds at 8 rows
+             1: {"time_fwd_s": {0: 0.003, 1: 0.005}, "time_bwd_s": {0: 0.005, 1: 0.0001}}}  # and at one
+    monkeypatch.setattr(trace, "time_step", lambda step, b, s, device: {k: dict(v) for k, v in timed[b].items()})
+    split = trace.time_with_fixed_part(None, 8, 32, "cpu")
+    assert split["time_fwd_fixed_s"][0] == pytest.approx((8 * 0.003 - 0.010) / 7)  # 2 ms, and 1 ms a row
+    assert split["time_bwd_fixed_s"][0] == pytest.approx((8 * 0.005 - 0.020) / 7)
+    assert split["time_fwd_fixed_s"][1] == pytest.approx(0.004)  # one row timed slower than eight: all of it
+    assert split["time_bwd_fixed_s"][1] == 0.0  # eight rows 40x one: nothing fixed
 
 
 def test_profiling_leaves_the_model_as_it_was():

@@ -215,7 +215,8 @@ def time_step(step: Step, b: int, s: int, device: torch.device, repeats: int = 5
 def time_with_fixed_part(step: Step, b: int, s: int, device: torch.device) -> dict[str, dict[int, float]]:
     """:func:`time_step` at ``b`` rows, and of each segment's seconds the part that rows do not scale
     (``time_fwd_fixed_s``, ``time_bwd_fixed_s``): timed again at one row, ``seconds(r) = fixed + r · per_row``
-    through the two, kept within ``[0, seconds(1)]``. On this machine's CPU a transformers Qwen2 of width 64 took
+    through the two, kept within ``[0, seconds(1)]`` and ``seconds(b)`` (a busy moment may time one row slower
+    than ``b``). On this machine's CPU a transformers Qwen2 of width 64 took
     17.2 ms at 16 rows and 9.4 at 8 (one thread): scaled by FLOPs from 16 rows, a data-parallel rank's 8 were priced
     8.6, and a micro-batch or a tensor-parallel split of it less still. A model that cannot take one row (a
     ``BatchNorm1d`` in training wants two) keeps no fixed part: its times scale as before."""
@@ -227,6 +228,6 @@ def time_with_fixed_part(step: Step, b: int, s: int, device: torch.device) -> di
         one, b = times, 1
     for phase in ("fwd", "bwd"):
         whole, single = times[f"time_{phase}_s"], one[f"time_{phase}_s"]
-        times[f"time_{phase}_fixed_s"] = {i: min(single[i], max(0.0, (single[i] * b - whole[i]) / (b - 1)))
+        times[f"time_{phase}_fixed_s"] = {i: min(single[i], whole[i], max(0.0, (single[i] * b - whole[i]) / (b - 1)))
                                           if b > 1 else 0.0 for i in whole}
     return times
