@@ -34,8 +34,8 @@ from torch import nn
 from nbtrain.errors import InvalidPlanError
 from nbtrain.models.adapters import ModelFamily, detect_family, hf_inner
 from nbtrain.models.lora import split_lora
-from nbtrain.models.tensor_parallel import (HEAD_NORM, check_style, matched_plan, tp_plan_example, unknown_styles,
-                                             unknown_styles_reason)
+from nbtrain.models.tensor_parallel import (HEAD_NORM, check_style, first_argument, matched_plan, tp_plan_example,
+                                             unknown_styles, unknown_styles_reason)
 
 Slot = tuple[nn.Module, str]
 """``(parent, attribute)``: where a module of a layer sits, so a wrapper can replace it."""
@@ -370,8 +370,7 @@ def sequence_roles(block: nn.Module, name: str, split: list[tuple[str, str]]) ->
             roles.append((full, "sequence_parallel"))
             norms += 1
         elif any(_within(n, [full]) and n != full for n in rowwise):
-            first = next(iter(inspect.signature(child.forward).parameters), "hidden_states")
-            roles.append((full, f"gather_input:{first}"))
+            roles.append((full, f"gather_input:{first_argument(child)}"))
         elif any(True for _ in child.parameters()):
             return [], (f"{full} ({type(child).__name__}) is neither a norm nor a module holding a row-wise "
                         "projection, so nbtrain does not know that it runs token by token on a part of the sequence")

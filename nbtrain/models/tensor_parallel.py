@@ -229,8 +229,6 @@ def shared_input_modules(block: nn.Module, name: str, split: list[tuple[str, str
         >>> shared_input_modules(d.model.blocks[0], "blocks.0", d.tensor_parallel[1])
         [('blocks.0.attn', 'x')]
     """
-    import inspect
-
     styles = dict(split)
     found = []
     for child_name, child in block.named_children():
@@ -243,8 +241,20 @@ def shared_input_modules(block: nn.Module, name: str, split: list[tuple[str, str
             continue
         if any(isinstance(m, nn.Dropout) and m.p > 0 for m in child.modules()):
             continue
-        found.append((full, next(iter(inspect.signature(child.forward).parameters), "hidden_states")))
+        found.append((full, first_argument(child)))
     return found
+
+
+def first_argument(module: nn.Module) -> str:
+    """The name of ``module``'s forward's first parameter, where a block hands it the hidden state (``hidden_states``
+    when it takes none by name): what a style placed on its input names it by.
+
+        >>> first_argument(nn.Linear(2, 2))
+        'input'
+    """
+    import inspect
+
+    return next(iter(inspect.signature(module.forward).parameters), "hidden_states")
 
 
 def sequence_style(role: str) -> ParallelStyle:

@@ -74,7 +74,7 @@ def replica_seconds(links: Links, world: int, s: Strategy, *, grad_bytes: float,
     DDP's cost is not a line in the bytes on a CPU: measured on 2 gloo processes here, 4 Linear layers added
     1.1-2.4 ms at 64 KiB of gradients, 1.3-2.2 at 256 KiB, 2.8-3.4 at 1 MiB, 5.8 at 4 MiB and 14.9 at 9 MiB, and
     the line through them put 0.6 ms of fixed part under a 560 KB transformers Qwen2 that DDP added 2.7-4.1 ms to
-    (``bench/RESULTS.md``, "DDP's small sizes")."""
+    (``bench/RESULTS.md``, "The 2-process step taken apart again")."""
     if s.dp_replicate <= 1:
         return None
     ddp = links.find("ddp_backward", s.dp_replicate, world) if s.dp_shard == 1 else None
