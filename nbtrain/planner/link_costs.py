@@ -19,8 +19,8 @@ from nbtrain.profiler.collectives import Link, Links  # noqa: F401 (Link: the do
 
 def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: float, output: float, pairs: int,
                gathers_output: bool, passes: int, sequence_parallel: bool = False) -> float | None:
-    """What tensor parallelism adds to a layer per micro-batch: a transformer block as the measured whole block,
-    another layer as ``pairs`` measured colwise → rowwise pairs; a gathered output (an LM head's logits) as an
+    """What tensor parallelism adds to a layer per micro-batch: a transformer block as the measured whole block
+    (read off the measured sizes, :meth:`~nbtrain.profiler.collectives.Link.as_measured`), another layer as ``pairs`` measured colwise → rowwise pairs; a gathered output (an LM head's logits) as an
     all-gather of ``output`` bytes; the recomputed forward (``passes == 3``) once more. ``sequence_parallel``: each
     of the ``pairs`` all-reduces per pass is an all-gather and a reduce-scatter instead (Korthikanti et al. 2022,
     §4.2.2); the measured block is the block without it, so what the split collectives cost beyond the all-reduce,
@@ -28,8 +28,9 @@ def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: floa
     same bytes through the same ring, a reduce-scatter then an all-gather, in one collective call instead of two)."""
     block = links.find("tp_block_forward", s.tp, world) if kind == "block" else None
     pair = links.find("tp_forward", s.tp, world)
-    if block is not None:
-        seconds = block.seconds(hidden) * (passes - 1) + links.seconds("tp_block_backward", s.tp, hidden, world)
+    backward = links.find("tp_block_backward", s.tp, world) if block is not None else None
+    if block is not None and backward is not None:
+        seconds = block.as_measured(hidden) * (passes - 1) + backward.as_measured(hidden)
     elif pair is not None:
         seconds = pairs * (pair.seconds(hidden) * (passes - 1) + links.seconds("tp_backward", s.tp, hidden, world))
     else:
@@ -53,15 +54,20 @@ def gather_seconds(links: Links, world: int, group: int, nbytes: float) -> float
 def fsdp_seconds(links: Links, world: int, s: Strategy, kind: str, *, param_bytes: float) -> float | None:
     """What FSDP2 adds to a layer sharded ``dp_shard`` ways per micro-batch: its forward gather and, under ZeRO-3,
     the backward gather, then the gradients' reduce-scatter, as measured on a transformer block (for a block) or
-    on Linear layers (otherwise)."""
+    on Linear layers (otherwise), read off the measured sizes themselves
+    (:meth:`~nbtrain.profiler.collectives.Link.as_measured`): FSDP2's per-unit work is mostly fixed on a CPU, and a
+    line through a block of 0.8 and one of 3 MiB put 2.4 ms under a 150 KB transformers Qwen2 block that FSDP2 added
+    4.9-5.6 ms a step to (``bench/RESULTS.md``, "FSDP2 and TP priced at the sizes measured")."""
     if s.dp_shard <= 1:
         return None
     unit = "fsdp_block" if kind == "block" and links.find("fsdp_block_forward", s.dp_shard, world) else "fsdp"
     forward = links.find(f"{unit}_forward", s.dp_shard, world)
     if forward is None:
         return None
-    backward = f"{unit}_backward" if s.zero == 3 else f"{unit}_backward_2"
-    return forward.seconds(param_bytes) + links.seconds(backward, s.dp_shard, param_bytes, world)
+    backward = links.find(f"{unit}_backward" if s.zero == 3 else f"{unit}_backward_2", s.dp_shard, world)
+    if backward is None:
+        return None
+    return forward.as_measured(param_bytes) + backward.as_measured(param_bytes)
 
 
 def replica_seconds(links: Links, world: int, s: Strategy, *, grad_bytes: float, model_grad_bytes: float

@@ -28,7 +28,7 @@ collectives). The operations:
 ``tp_clip``         seconds to clip a TP-split transformer block's gradients (``bytes`` of parameters) by their
                     global norm, as the trainer does (:func:`nbtrain.gradients.clip_grad_norm`)
 ``fsdp_clip``       the same for a block sharded by FSDP2
-``ddp_backward``    what ``DistributedDataParallel`` adds to a backward (4 Linear layers over 256 tokens) whose
+``ddp_backward``    what ``DistributedDataParallel`` adds to training steps (nbtrain's GPT of 2 blocks) whose
                     gradients are ``bytes``: its bucketed all-reduces, less what hid under the compute
 ``pp_microbatch``  what one more micro-batch costs a stage of a 2-stage ``torch.distributed.pipelining`` 1F1B
                     schedule beyond its compute, by the ``bytes`` of hidden state the stages exchange: the
@@ -90,7 +90,10 @@ class Link:
             >>> Link("ddp_backward", 2, 2, 0.0, 1e9, points=((2**16, 0.002), (2**20, 0.003))).as_measured(2**18)
             0.0022
         """
-        points = sorted(self.points)
+        by_size: dict[int, list[float]] = {}
+        for size, seconds in self.points:  # a size measured twice (two shapes of as many bytes): their median
+            by_size.setdefault(size, []).append(seconds)
+        points = sorted((size, statistics.median(times)) for size, times in by_size.items())
         if len(points) < 2:
             return self.seconds(nbytes)
         if nbytes <= points[0][0]:
@@ -229,7 +232,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 11
+CACHE_VERSION = 12
 
 
 def cache_file(world_size: int):

@@ -28,7 +28,8 @@ COLLECTIVE_SIZES = (64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 LAYER_WIDTHS = (128, 256, 512)  # Linear(h, h) layers of 64 KiB, 256 KiB, 1 MiB in fp32 for the FSDP2 overhead
 TP_SHAPES = ((256, 128), (512, 192), (1024, 256))  # (tokens, hidden) for the TP pair: 128 KiB to 1 MiB of state
 TP_BLOCKS = ((4, 64, 128), (8, 128, 128), (8, 128, 256))  # (batch, seq, hidden): 128 KiB to 1 MiB of state
-DDP_WIDTHS = (64, 128, 256, 512, 768)  # 4 Linear(h, h) layers: 64 KiB, 256 KiB, 1, 4 and 9 MiB of fp32 gradients
+FSDP_BLOCKS = ((8, 64, 64), (4, 64, 128), (8, 128, 256))  # blocks of 0.2, 0.8 and 3 MiB of fp32 parameters
+DDP_WIDTHS = (32, 64, 128, 256)  # nbtrain's GPT of 2 blocks, 512 tokens: 0.23, 0.65, 2.0 and 7.1 MiB of gradients
 PP_WIDTHS = (64, 256, 1024)  # a micro-batch of 4 × 32 tokens of width h: 32 KiB to 512 KiB sent between stages
 PP_DEPTHS = (16, 8, 1)  # Linear(h, h) layers a stage: 1-6 ms of compute a micro-batch on one core, as a real stage has
 PP_MICROBATCHES = (2, 8)
@@ -168,7 +169,7 @@ def _fsdp_blocks(world: int) -> list[tuple[str, int, int, float]]:
     found = []
     for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
-        for batch, seq, h in TP_BLOCKS:
+        for batch, seq, h in FSDP_BLOCKS:
             plain = _gpt_block_model(seq, h).blocks[0]
             nbytes = _param_bytes(plain)
             x = torch.randn(max(1, batch // k), seq, h)  # data parallel: each rank its share of the batch
@@ -197,7 +198,9 @@ def _compute_slowdown() -> float:
     x = torch.randn(4, 128, 192)
     _block_step(x, net)
     ratios = []
-    for _ in range(REPEATS):  # alone and together back to back, so that the machine's drift cancels in each ratio
+    # alone and together back to back, so that the machine's drift cancels in each ratio; 27 rounds (~1.5 s): with 9,
+    # 2 processes here read 1.00-1.07 in 7 measurements and 1.23-1.25 in 2 of 9, and every compute time is priced by it
+    for _ in range(3 * REPEATS):
         dist.barrier()
         alone = torch.tensor([0.0], dtype=torch.float64)
         if dist.get_rank() == 0:
@@ -216,32 +219,37 @@ def _steps_in_a_row(model, x) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
 
     def step():
-        model(x).sum().backward()
+        model(x).float().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return median_seconds(step, dist.barrier)  # after a warm-up: allocation, the optimizer's state, gloo's connections
 
 
 def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
-    """Inside a spawned worker: what DistributedDataParallel adds to training steps with real compute beside its
-    bucketed all-reduces (4 Linear layers over 256 tokens), by gradient bytes: the overlap gloo really gives.
+    """Inside a spawned worker: what DistributedDataParallel adds to training steps of a small transformer (nbtrain's
+    GPT of 2 blocks over 8 × 64 tokens), by gradient bytes: its hooks on each of the model's ~40 tensors, its bucketed
+    all-reduces, and the overlap gloo really gives.
 
     Steps in a row, plain and then wrapped, the difference of their medians: a forward and a backward of each timed
     in alternation (:func:`~nbtrain.profiler.link_timing.added_seconds`) read about half of what DDP adds to a
-    training loop here (``bench/ddp_overhead.py``: medians of 1.7-1.8 ms against 3-4 at 560 KB of gradients on 2
-    gloo processes), which under-priced every 2-process DDP step by 1.3-1.5x (``bench/finetune_prediction.py``)."""
+    training loop here (``bench/ddp_overhead.py``). And what a model is matters, not only its bytes: on 2 gloo
+    processes here DDP added 2.0 ms to 4 Linear layers of 576 KiB, 2.8 to 18 Linear layers with biases (292 KiB),
+    4.8 to this GPT (663 KiB) and 4.5 to a transformers Qwen2 of 546 KiB (``bench/RESULTS.md``, "FSDP2 and TP
+    priced at the sizes measured"): a model of transformer blocks is what a user's DDP step is like."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from nbtrain.models.gpt import GPT, GPTConfig
 
     found = []
     for k in group_sizes(world):
         mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
         for h in DDP_WIDTHS:
             torch.manual_seed(0)
-            plain = nn.Sequential(*(nn.Linear(h, h, bias=False) for _ in range(4)))
-            x = torch.randn(256, h)
-            wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=mesh.get_group("g"))
+            plain = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=h, tie_embeddings=False))
+            x = torch.randint(0, 512, (8, 64))
+            wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=mesh.get_group("g"))  # no buffers
             added = max(0.0, _steps_in_a_row(wrapped, x) - _steps_in_a_row(plain, x))
-            found.append(("ddp_backward", k, 4 * h * h * 4, slowest_rank(added)))
+            found.append(("ddp_backward", k, _param_bytes(plain), slowest_rank(added)))
     return found
 
 
