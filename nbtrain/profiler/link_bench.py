@@ -213,29 +213,31 @@ def _compute_slowdown() -> float:
     return max(1.0, statistics.median(ratios))
 
 
-def _steps_in_a_row(model, x) -> float:
-    """Median seconds of :data:`REPEATS` training steps of ``model`` on ``x`` run one after another, as the trainer
-    runs them (forward, backward, a fused AdamW step, gradients set to None), each started after a barrier."""
+def _training_step(model, x):
+    """One training step of ``model`` on ``x`` as the trainer runs it (forward, backward, a fused AdamW step,
+    gradients set to None), as a function."""
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
 
     def step():
         model(x).float().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return median_seconds(step, dist.barrier)  # after a warm-up: allocation, the optimizer's state, gloo's connections
+    return step
 
 
 def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
     """Inside a spawned worker: what DistributedDataParallel adds to training steps of a small transformer (nbtrain's
-    GPT of 2 blocks over 8 × 64 tokens), by gradient bytes: its hooks on each of the model's ~40 tensors, its bucketed
-    all-reduces, and the overlap gloo really gives.
+    GPT of 2 blocks over 8 × 64 tokens a process), by gradient bytes: its bucketed all-reduces, its hooks, and what
+    it costs beside the compute that runs with it.
 
-    Steps in a row, plain and then wrapped, the difference of their medians: a forward and a backward of each timed
-    in alternation (:func:`~nbtrain.profiler.link_timing.added_seconds`) read about half of what DDP adds to a
-    training loop here (``bench/ddp_overhead.py``). And what a model is matters, not only its bytes: on 2 gloo
-    processes here DDP added 2.0 ms to 4 Linear layers of 576 KiB, 2.8 to 18 Linear layers with biases (292 KiB),
-    4.8 to this GPT (663 KiB) and 4.5 to a transformers Qwen2 of 546 KiB (``bench/RESULTS.md``, "FSDP2 and TP
-    priced at the sizes measured"): a model of transformer blocks is what a user's DDP step is like."""
+    Whole training steps, not a forward and a backward timed apart: those read about half of what DDP adds to a
+    training loop here (``bench/ddp_overhead.py``). A plain and a wrapped step back to back in each round, and the
+    median of the rounds' differences, as the pipeline's micro-batch is measured below. And the compute beside DDP
+    matters, not only the bytes: on 2 gloo processes here DDP added 2.0 ms to 4 Linear layers of 576 KiB (a 2.9 ms
+    step), 4.8 to this GPT of 663 KiB (10.6 ms) and 4.5 to a transformers Qwen2 of 546 KiB (10.9 ms); this GPT over
+    half the tokens read about half (``bench/RESULTS.md``, "FSDP2 and DDP priced as a fine-tuned model's step pays
+    them"). A model of transformer blocks with a fine-tuning step's compute is what the planner's DDP steps are like
+    on a CPU; a step of much more compute beside DDP pays more than this."""
     from torch.nn.parallel import DistributedDataParallel
 
     from nbtrain.models.gpt import GPT, GPTConfig
@@ -248,8 +250,11 @@ def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
             plain = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=h, tie_embeddings=False))
             x = torch.randint(0, 512, (8, 64))
             wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=mesh.get_group("g"))  # no buffers
-            added = max(0.0, _steps_in_a_row(wrapped, x) - _steps_in_a_row(plain, x))
-            found.append(("ddp_backward", k, _param_bytes(plain), slowest_rank(added)))
+            steps = _training_step(plain, x), _training_step(wrapped, x)
+            for step in steps:
+                step()  # warm-up: allocation, the optimizer's state, gloo's connections, DDP's buckets
+            rounds = [once_seconds(steps[1]) - once_seconds(steps[0]) for _ in range(REPEATS)]
+            found.append(("ddp_backward", k, _param_bytes(plain), slowest_rank(max(0.0, statistics.median(rounds)))))
     return found
 
 
