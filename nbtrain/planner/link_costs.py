@@ -20,8 +20,9 @@ from nbtrain.profiler.collectives import Link, Links  # noqa: F401 (Link: the do
 def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: float, output: float, pairs: int,
                gathers_output: bool, passes: int, sequence_parallel: bool = False) -> float | None:
     """What tensor parallelism adds to a layer per micro-batch: a transformer block as the measured whole block
-    (read off the measured sizes, :meth:`~nbtrain.profiler.collectives.Link.as_measured`), another layer as ``pairs`` measured colwise → rowwise pairs; a gathered output (an LM head's logits) as an
-    all-gather of ``output`` bytes; the recomputed forward (``passes == 3``) once more. ``sequence_parallel``: each
+    (read off the measured sizes, :meth:`~nbtrain.profiler.collectives.Link.as_measured`), another layer as
+    ``pairs`` measured colwise → rowwise pairs; a gathered output (an LM head's logits) as an all-gather of
+    ``output`` bytes; the recomputed forward (``passes == 3``) once more. ``sequence_parallel``: each
     of the ``pairs`` all-reduces per pass is an all-gather and a reduce-scatter instead (Korthikanti et al. 2022,
     §4.2.2); the measured block is the block without it, so what the split collectives cost beyond the all-reduce,
     as measured here, is added (nothing when they were not measured: then the all-reduce's time stands in, the
@@ -57,7 +58,7 @@ def fsdp_seconds(links: Links, world: int, s: Strategy, kind: str, *, param_byte
     on Linear layers (otherwise), read off the measured sizes themselves
     (:meth:`~nbtrain.profiler.collectives.Link.as_measured`): FSDP2's per-unit work is mostly fixed on a CPU, and a
     line through a block of 0.8 and one of 3 MiB put 2.4 ms under a 150 KB transformers Qwen2 block that FSDP2 added
-    4.9-5.6 ms a step to (``bench/RESULTS.md``, "FSDP2 and TP priced at the sizes measured")."""
+    4.9-5.6 ms a step to (``bench/RESULTS.md``, "FSDP2, TP and DDP priced as a fine-tuned model's step pays them")."""
     if s.dp_shard <= 1:
         return None
     unit = "fsdp_block" if kind == "block" and links.find("fsdp_block_forward", s.dp_shard, world) else "fsdp"
@@ -92,8 +93,9 @@ def replica_seconds(links: Links, world: int, s: Strategy, *, grad_bytes: float,
 
 def clip_seconds(links: Links, world: int, s: Strategy, *, param_bytes: float, layers: int) -> float:
     """Clipping this layer's DTensor gradients (split by TP, or sharded by FSDP2) by the global norm, as the trainer
-    does, measured on a transformer block against its whole (unsplit) ``param_bytes``: the bytes at the measured rate, the fixed part (a reduction per group of
-    like DTensors, once a step) shared out over the model's ``layers``. Plain tensors (DDP): 0 here."""
+    does, measured on a transformer block against its whole (unsplit) ``param_bytes``: the bytes at the measured
+    rate, the fixed part (a reduction per group of like DTensors, once a step) shared out over the model's
+    ``layers``. Plain tensors (DDP): 0 here."""
     op, group = ("tp_clip", s.tp) if s.tp > 1 else ("fsdp_clip", s.dp_shard)
     clip = links.find(op, group, world) if group > 1 else None
     if clip is None:

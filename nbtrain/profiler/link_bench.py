@@ -235,9 +235,9 @@ def _ddp_backward(world: int) -> list[tuple[str, int, int, float]]:
     median of the rounds' differences, as the pipeline's micro-batch is measured below. And the compute beside DDP
     matters, not only the bytes: on 2 gloo processes here DDP added 2.0 ms to 4 Linear layers of 576 KiB (a 2.9 ms
     step), 4.8 to this GPT of 663 KiB (10.6 ms) and 4.5 to a transformers Qwen2 of 546 KiB (10.9 ms); this GPT over
-    half the tokens read about half (``bench/RESULTS.md``, "FSDP2 and DDP priced as a fine-tuned model's step pays
-    them"). A model of transformer blocks with a fine-tuning step's compute is what the planner's DDP steps are like
-    on a CPU; a step of much more compute beside DDP pays more than this."""
+    half the tokens read about half (``bench/RESULTS.md``, "FSDP2, TP and DDP priced as a fine-tuned model's step
+    pays them"). A model of transformer blocks with a fine-tuning step's compute is what the planner's DDP steps
+    are like on a CPU; a step of much more compute beside DDP pays more than this."""
     from torch.nn.parallel import DistributedDataParallel
 
     from nbtrain.models.gpt import GPT, GPTConfig
