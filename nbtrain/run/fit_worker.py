@@ -23,6 +23,7 @@ from torch import nn
 
 from nbtrain.planner.plan import Plan
 from nbtrain.run.evaluation import EvalSet
+from nbtrain.run.gc_pause import collections_frozen
 from nbtrain.run.parallel.traced_stages import example_microbatch
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.trainer import StepRecord, progress_bar
@@ -236,10 +237,9 @@ def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: 
     """The step loop, from a checkpoint when resuming, evaluating on ``run.evaluation`` when it is due, saving one
     every ``checkpoint_every`` steps and at the end; returns every step's record (a resumed run's earlier ones
     first). ``stop``: asked after each step on every rank (a session's interrupted cell); the loop ends after the
-    first step at which any rank was told to stop, all ranks at the same step."""
-    import torch.distributed as dist
-
-    from nbtrain.run.state.checkpoint import CheckpointFolder, Progress
+    first step at which any rank was told to stop, all ranks at the same step. What the process held before the
+    loop is out of the garbage collector's reach during it (:func:`~nbtrain.run.gc_pause.collections_frozen`)."""
+    from nbtrain.run.state.checkpoint import CheckpointFolder
 
     records = []
     if run.resume_from is not None:
@@ -248,6 +248,19 @@ def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: 
         records = progress.records
     folder = CheckpointFolder(run.checkpoint_dir) if run.checkpoint_dir else None
     bar = progress_bar(run.steps, trainer.steps_done) if run.progress and rank0 else None
+    with collections_frozen():
+        records = _steps(trainer, state, plan, get_batch, run, stop, records, folder, bar)
+    if bar is not None:
+        bar.close()
+    return records
+
+
+def _steps(trainer, state, plan: Plan, get_batch, run: RunSettings, stop, records: list, folder, bar) -> list:
+    """The loop of :func:`train_steps`."""
+    import torch.distributed as dist
+
+    from nbtrain.run.state.checkpoint import Progress
+
     shown = {}  # the progress line: the last step's loss, and the last validation loss once there is one
     for step in range(trainer.steps_done, run.steps):
         record = trainer.step(*get_batch(step))
@@ -271,8 +284,6 @@ def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: 
             dist.all_reduce(asked, op=dist.ReduceOp.MAX)
             if asked.item():
                 break
-    if bar is not None:
-        bar.close()
     return records
 
 

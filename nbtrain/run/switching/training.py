@@ -27,6 +27,7 @@ from torch import nn
 from nbtrain.data import length_batches
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.placement import peak_memory
+from nbtrain.run.gc_pause import collection_paused, collections_frozen
 from nbtrain.run.trainer import StepRecord, progress_bar
 from nbtrain.models.adapters import set_training
 
@@ -100,19 +101,22 @@ def train_documents(model: nn.Module, job: DocumentsJob):
                              seed=job.seed)
     for _ in range(switching.steps_done):  # the batches the saved run took
         next(batches)
-    for _ in range(switching.steps_done, job.steps):
-        record = switching.step(next(batches))
-        details.append(record)
-        records.append(step_record(record, peak_memory(switching.device)))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{record.loss:.4f}")
-        done = switching.steps_done
-        if folder is not None and (done == job.steps or (job.checkpoint_every and done % job.checkpoint_every == 0)):
-            started = time.perf_counter()
-            folder.save(state, Progress(done, switching.schedule_epoch, records=records, plan=job.describe,
-                                        num_processes=dist.get_world_size(), **Progress.random_states()))
-            records[-1] = dataclasses.replace(records[-1], checkpoint_s=time.perf_counter() - started)
+    with collections_frozen():  # and Python's garbage collector held off in each step (nbtrain/run/gc_pause.py)
+        for _ in range(switching.steps_done, job.steps):
+            with collection_paused():
+                record = switching.step(next(batches))
+            details.append(record)
+            records.append(step_record(record, peak_memory(switching.device)))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{record.loss:.4f}")
+            done = switching.steps_done
+            due = done == job.steps or (job.checkpoint_every and done % job.checkpoint_every == 0)
+            if folder is not None and due:
+                started = time.perf_counter()
+                folder.save(state, Progress(done, switching.schedule_epoch, records=records, plan=job.describe,
+                                            num_processes=dist.get_world_size(), **Progress.random_states()))
+                records[-1] = dataclasses.replace(records[-1], checkpoint_s=time.perf_counter() - started)
     if bar is not None:
         bar.close()
     weights = gather_trained(home.wrapped, home.plan, mine, buffers=isinstance(values, Initialize))
