@@ -21,6 +21,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from nbtrain.errors import ProfileError
+from nbtrain.gc_pause import collection_paused
 from nbtrain.models.adapters import ModelFamily
 from nbtrain.profiler.routing import ExpectedRouting
 from nbtrain.profiler.kernels import KernelCounter
@@ -190,15 +191,17 @@ def time_step(step: Step, b: int, s: int, device: torch.device, repeats: int = 5
 
     The step runs with no counting mode or hook but the tracker's, so that only the model is timed. What no
     segment is charged with (the autograd engine between segments, the loss outside the model's last module) is
-    shared out by each segment's part of the step, so that the segments add up to the whole step as timed.
+    shared out by each segment's part of the step, so that the segments add up to the whole step as timed. Python's
+    garbage collector is held off inside each step, as the trainer holds it off (:mod:`nbtrain.gc_pause`).
     """
     runs, whole = [], []
     for i in range(repeats + 1):
         timer = Timer(device)
-        started = time.perf_counter()
-        _run(step, [timer], b, s, device, params=None)
-        timer.sync()
-        elapsed = time.perf_counter() - started
+        with collection_paused():
+            started = time.perf_counter()
+            _run(step, [timer], b, s, device, params=None)
+            timer.sync()
+            elapsed = time.perf_counter() - started
         step.model.zero_grad(set_to_none=True)
         if i:
             runs.append(timer)

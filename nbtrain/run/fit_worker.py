@@ -23,7 +23,7 @@ from torch import nn
 
 from nbtrain.planner.plan import Plan
 from nbtrain.run.evaluation import EvalSet
-from nbtrain.run.gc_pause import collections_frozen
+from nbtrain.gc_pause import collections_frozen
 from nbtrain.run.parallel.traced_stages import example_microbatch
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.trainer import StepRecord, progress_bar
@@ -238,7 +238,7 @@ def train_steps(trainer, state, plan: Plan, get_batch, run: RunSettings, rank0: 
     every ``checkpoint_every`` steps and at the end; returns every step's record (a resumed run's earlier ones
     first). ``stop``: asked after each step on every rank (a session's interrupted cell); the loop ends after the
     first step at which any rank was told to stop, all ranks at the same step. What the process held before the
-    loop is out of the garbage collector's reach during it (:func:`~nbtrain.run.gc_pause.collections_frozen`)."""
+    loop is out of the garbage collector's reach during it (:func:`~nbtrain.gc_pause.collections_frozen`)."""
     from nbtrain.run.state.checkpoint import CheckpointFolder
 
     records = []

@@ -35,7 +35,7 @@ from nbtrain.profiler.model import lm_loss
 from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss_context
 from nbtrain.gradients import clip_grad_norm
 from nbtrain.profiler.trace import call_model
-from nbtrain.run.gc_pause import collection_paused
+from nbtrain.gc_pause import collection_paused
 from nbtrain.run.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
 from nbtrain.run.parallel.mesh import PlanMeshes
@@ -235,7 +235,7 @@ class Trainer:
     def step(self, ids, targets) -> StepRecord:
         """One optimizer step over a global batch ``(inputs, targets)``; every rank passes the same global batch.
         Inputs are token ids, or any tensor, tuple or dict of tensors (:mod:`nbtrain.run.batches`); targets any
-        of those, or None. Python's garbage collector waits until the step is over (:mod:`nbtrain.run.gc_pause`)."""
+        of those, or None. Python's garbage collector waits until the step is over (:mod:`nbtrain.gc_pause`)."""
         with collection_paused():
             return self._step(ids, targets)
 

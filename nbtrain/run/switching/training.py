@@ -27,7 +27,7 @@ from torch import nn
 from nbtrain.data import length_batches
 from nbtrain.run.state.checkpoint import Checkpoint
 from nbtrain.run.placement import peak_memory
-from nbtrain.run.gc_pause import collection_paused, collections_frozen
+from nbtrain.gc_pause import collection_paused, collections_frozen
 from nbtrain.run.trainer import StepRecord, progress_bar
 from nbtrain.models.adapters import set_training
 
@@ -101,7 +101,7 @@ def train_documents(model: nn.Module, job: DocumentsJob):
                              seed=job.seed)
     for _ in range(switching.steps_done):  # the batches the saved run took
         next(batches)
-    with collections_frozen():  # and Python's garbage collector held off in each step (nbtrain/run/gc_pause.py)
+    with collections_frozen():  # and Python's garbage collector held off in each step (nbtrain/gc_pause.py)
         for _ in range(switching.steps_done, job.steps):
             with collection_paused():
                 record = switching.step(next(batches))
