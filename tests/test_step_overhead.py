@@ -11,23 +11,29 @@ from nbtrain.models.description import layer_slots
 from nbtrain.planner.plan import Plan
 
 
-def test_a_training_step_builds_no_device_mesh(monkeypatch):
-    """Slicing a DeviceMesh (``world[("dp_replicate", "dp_shard", "tp")]``) builds a new mesh each time. The trainer
-    asked for each step's data-parallel rank that way: two new meshes a step, 1.5 ms of a 17-19 ms 2-process DDP
-    step of a small transformers Qwen2 under cProfile, where a bare DDP loop of the same model paid nothing."""
+def tiny_trainer(strategy: str):
+    """nbtrain's tiny GPT parallelized under ``strategy`` on one process (inside ``single_process_group``), its
+    trainer, and one batch."""
     from nbtrain.run.parallel.mesh import PlanMeshes
     from nbtrain.run.parallel.parallelize import parallelize
     from nbtrain.run.trainer import Trainer
 
+    torch.manual_seed(0)
+    model = GPT(GPT_TINY)
+    ids, targets = next(iter(batches(1)))
+    plan = Plan.parse(strategy, num_devices=1, num_layers=len(layer_slots(model)),
+                      global_batch=ids.shape[0], seq_len=ids.shape[1])
+    meshes = PlanMeshes(plan)
+    model = parallelize(model, plan, meshes)
+    return Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters())), ids, targets
+
+
+def test_a_training_step_builds_no_device_mesh(monkeypatch):
+    """Slicing a DeviceMesh (``world[("dp_replicate", "dp_shard", "tp")]``) builds a new mesh each time. The trainer
+    asked for each step's data-parallel rank that way: two new meshes a step, 1.5 ms of a 17-19 ms 2-process DDP
+    step of a small transformers Qwen2 under cProfile, where a bare DDP loop of the same model paid nothing."""
     with single_process_group():
-        torch.manual_seed(0)
-        model = GPT(GPT_TINY)
-        ids, targets = next(iter(batches(1)))
-        plan = Plan.parse("dp_shard=1", num_devices=1, num_layers=len(layer_slots(model)),
-                          global_batch=ids.shape[0], seq_len=ids.shape[1])
-        meshes = PlanMeshes(plan)
-        model = parallelize(model, plan, meshes)
-        trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters()))
+        trainer, ids, targets = tiny_trainer("dp_shard=1")
         first = trainer.step(ids, targets).loss
 
         built = []
@@ -51,10 +57,6 @@ def test_python_s_garbage_collector_waits_until_a_step_is_over():
     stays off."""
     import gc
 
-    from nbtrain.run.parallel.mesh import PlanMeshes
-    from nbtrain.run.parallel.parallelize import parallelize
-    from nbtrain.run.trainer import Trainer
-
     inside, collections = [False], []
 
     def seen(phase, info):
@@ -62,14 +64,7 @@ def test_python_s_garbage_collector_waits_until_a_step_is_over():
             collections.append(inside[0])
 
     with single_process_group():
-        torch.manual_seed(0)
-        model = GPT(GPT_TINY)
-        ids, targets = next(iter(batches(1)))
-        plan = Plan.parse("mb=2", num_devices=1, num_layers=len(layer_slots(model)),
-                          global_batch=ids.shape[0], seq_len=ids.shape[1])
-        meshes = PlanMeshes(plan)
-        model = parallelize(model, plan, meshes)
-        trainer = Trainer(model, plan, meshes, torch.optim.AdamW(model.parameters()))
+        trainer, ids, targets = tiny_trainer("mb=2")
         trainer.step(ids, targets)
         forward_backward = trainer._forward_backward
 
