@@ -517,7 +517,7 @@ settings = RunSettings(steps=2, lr=3e-4, clip_norm=1.0, loss_fn=lm_loss, seed=0,
                        lr_schedule=None, save_dir=None)
 ''',
     "nbtrain.profiler.timed": 'model = nbtrain.build_preset("gpt-tiny", device="cpu")\n',
-    "nbtrain.run.tensor_memory": 'import torch\n',
+    "nbtrain.tensor_memory": 'import torch\n',
 
     "nbtrain.run.launch.script": '''\
 import os

@@ -54,6 +54,7 @@ LAYER_OF = {
     "checks": "foundation",  # a positive-integer check, powers of two: imports errors
     "expert_dispatch": "foundation",  # expert parallelism's token dispatch: torch only; the executor and link_bench
     "gradients": "foundation",  # clipping gradients that may be DTensors: torch only; the trainer and the calibration
+    "tensor_memory": "foundation",  # the tensors a rank holds, counted on the CPU: the trainer and the profile's timing
     "gc_pause": "foundation",  # the garbage collector held off: the trainer's steps and the profile's timed steps
     # Data: nbtrain/data.py, and the stdlib corpus behind it (data_corpus is data's own helper, not shared
     # infrastructure: it tokenizes the stdlib documents that nbtrain.data serves, and uses torch).

@@ -199,6 +199,30 @@ def test_measuring_times_every_layer_on_the_cpu():
     assert "fwd (cpu)" in str(prof)
 
 
+def test_the_layers_are_timed_with_the_tensor_count_the_cpu_trainer_pays_every_step(monkeypatch):
+    """Off a GPU the trainer counts the tensors each step saves for backward (:mod:`nbtrain.tensor_memory`: a hook
+    on every saved tensor, ~10 µs each), and every step pays it; the layers are timed with the count on, so that
+    what is priced is what runs. A count made 2 ms slower a tensor shows in the measured forward in full."""
+    import time
+
+    from nbtrain.tensor_memory import SavedActivations
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(torch.randn(2, 8, 16))  # what one forward of the model saves, counted by autograd's own hook
+    count = SavedActivations._pack
+
+    def slow_count(self, t):
+        time.sleep(0.002)
+        return count(self, t)
+
+    monkeypatch.setattr(SavedActivations, "_pack", slow_count)
+    prof = nbtrain.profile(model, batch_size=2, seq_len=8, dtype="fp32", measure="cpu")
+    assert len(saved) >= 3
+    assert sum(layer.time_fwd_s for layer in prof.layers) >= 0.002 * len(saved)
+
+
 def test_a_measured_layer_keeps_the_part_of_its_time_that_rows_do_not_scale(monkeypatch):
     """The layers are timed at the profile's rows and again at one row; the line through the two gives the part of
     each time that every call pays whatever its rows, kept within both times (a busy moment can time one row slower

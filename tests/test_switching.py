@@ -140,7 +140,7 @@ def test_strategies_differing_only_in_checkpointing_share_one_layout_and_switch_
 def _micro_batch_worker(rank, world, port, strategies, micro_rows, queue):
     with gloo_worker(rank, world, port, queue) as report:
         from nbtrain.run.switching.hot import HotSwitching
-        from nbtrain.run.tensor_memory import state_bytes
+        from nbtrain.tensor_memory import state_bytes
 
         switching = HotSwitching(lambda: GPT(GPT_TINY), strategies, lr=LR, micro_rows=micro_rows)
         away = [layout for layout in switching.layouts.values() if layout is not switching.home]

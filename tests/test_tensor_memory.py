@@ -14,7 +14,7 @@ from torch import nn
 
 import nbtrain
 from nbtrain.models.gpt import GPT, GPTConfig
-from nbtrain.run.tensor_memory import SavedActivations, state_bytes
+from nbtrain.tensor_memory import SavedActivations, state_bytes
 
 
 def test_saved_activations_count_what_backward_needs_once_and_nothing_once_it_is_done():

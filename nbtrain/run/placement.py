@@ -150,7 +150,7 @@ def synchronize(device: torch.device) -> None:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak of the allocator's memory on a GPU (per step); nothing on the CPU, which has no allocator
-    to ask (:mod:`nbtrain.run.tensor_memory` counts the tensors there)."""
+    to ask (:mod:`nbtrain.tensor_memory` counts the tensors there)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -36,7 +36,7 @@ from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss
 from nbtrain.gradients import clip_grad_norm
 from nbtrain.profiler.trace import call_model
 from nbtrain.gc_pause import collection_paused
-from nbtrain.run.tensor_memory import SavedActivations, state_bytes
+from nbtrain.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import peak_memory, reset_peak_memory, synchronize, to_device
@@ -59,7 +59,7 @@ class StepRecord:
     tensor_bytes: int | None = None
     """What the plan's tensors took on rank 0 at the step's peak: the allocator's peak on a GPU; on the CPU this
     rank's parameters, gradients and optimizer state plus the peak of the activations saved for backward
-    (:mod:`nbtrain.run.tensor_memory`), the quantity the cost model predicts."""
+    (:mod:`nbtrain.tensor_memory`), the quantity the cost model predicts."""
     skipped: bool = False
     """The loss was not finite and the update was skipped (``on_nonfinite="skip"``)."""
     checkpoint_s: float | None = None

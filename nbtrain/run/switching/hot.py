@@ -34,7 +34,7 @@ gradients are those of one process over all the buckets. Strategies that differ 
 layout (one model, no switch): checkpointing is turned on and off per bucket (``set_checkpointing``). A layout's
 weights are freed by giving their storage back: its parameters stay the same objects, so its wrappers and the
 switch plans hold. DDP's own gradient buckets stay allocated (a DDP layout keeps one gradient-sized buffer). Each
-record carries the tensor memory this rank held at each bucket's peak (:mod:`nbtrain.run.tensor_memory`: every
+record carries the tensor memory this rank held at each bucket's peak (:mod:`nbtrain.tensor_memory`: every
 layout's resident weights and gradients, the home optimizer state, the activations saved for backward), the
 quantity the planner predicts.
 """
@@ -61,7 +61,7 @@ from nbtrain.run.parallel.parallelize import set_checkpointing
 from nbtrain.run.placement import reset_peak_memory, synchronize
 from nbtrain.run.switching.layouts import Layout
 from nbtrain.run.switching.reshard import Resharding
-from nbtrain.run.tensor_memory import SavedActivations, state_bytes
+from nbtrain.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.trainer import check_on_nonfinite
 
 
