@@ -25,7 +25,8 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
   the sum of its layers' resident bytes plus the largest transient of its layers plus the reserve.
 * **The loss** (the head's): :mod:`nbtrain.planner.memory_terms`, checked by ``tests/test_memory_oracle.py``; under
   TP on the logits split over the vocabulary when the loss is nbtrain's own (:mod:`nbtrain.run.parallel.vocab_parallel`,
-  Megatron-LM's parallel cross-entropy), else on whole logits gathered on every rank.
+  Megatron-LM's parallel cross-entropy: its all-reduces priced as measured, ``tp_loss``), else on whole logits
+  gathered on every rank.
 * **Reserve**: what a GPU process holds before the model has a byte: the CUDA context with a step's kernels, and
   with more than one device NCCL's buffers (:func:`reserve_parts`); a constant per device (a 1 M-parameter model
   on 8 GPUs needs its ~1 GiB as much as a 7 B one), out of the budget (``--memory``, the device's whole memory)
@@ -76,7 +77,8 @@ from functools import lru_cache
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost_options import CostOptions
 from nbtrain.planner.expert_cost import dispatch_seconds, spread_experts
-from nbtrain.planner.link_costs import fsdp_seconds, gather_seconds, replica_seconds, schedule_seconds, tp_seconds
+from nbtrain.planner.link_costs import (fsdp_seconds, gather_seconds, replica_seconds, schedule_seconds,
+                                       split_loss_seconds, tp_seconds)
 from nbtrain.planner.layer_terms import LayerTerms
 from nbtrain.planner.memory_terms import model_states
 from nbtrain.planner.plan import Plan
@@ -235,6 +237,10 @@ class CostModel(LayerTerms):
         if tp_comm is None:  # 4 ring passes per block and pass: 2 all-reduces (sp: 2 all-gathers, 2 reduce-scatters)
             tp_comm = passes * (4 if prof.kind == "block" else 1) * _ring(s.tp, hidden, self._bandwidth(s.tp),
                                                                           self._latency(s.tp))
+        if s.tp > 1 and self._splits_loss(index):  # the split cross-entropy: 3 all-reduces of a number a token
+            loss = split_loss_seconds(links, world, s, tokens=b * self.seq_len)
+            tp_comm += loss if loss is not None else 6 * _ring(s.tp, 4 * b * self.seq_len, self._bandwidth(s.tp),
+                                                               self._latency(s.tp))
         if s.sp and not split:  # the embedding's sliced output's gradient, the head's input (each forward) gathered
             tp_comm += (1 if index == 0 else passes - 1) * self._gather(s.tp, hidden)
         # the trainer syncs a sharded layer's gradients every micro-batch (torchtitan's accumulation under FSDP2,

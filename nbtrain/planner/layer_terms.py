@@ -50,6 +50,12 @@ class LayerTerms:
         arch = self.profile.arch
         return index in (arch.get("tp_gathers_output") or ()) and not arch.get("vocab_parallel_loss")
 
+    def _splits_loss(self, index: int) -> bool:
+        """Whether tensor parallelism takes the loss on the layer's logits split over the vocabulary (the head's,
+        when the loss is nbtrain's own: :meth:`_gathers_output`'s other case)."""
+        arch = self.profile.arch
+        return index in (arch.get("tp_gathers_output") or ()) and bool(arch.get("vocab_parallel_loss"))
+
     def _tp_activations(self, index: int, s: Strategy, b: float) -> float:
         """Saved bytes of the layer's share of ``b`` sequences on one TP rank. Tensor parallelism without ``sp``
         splits what the heads and the MLP's inner width compute; the hidden-sized tensors around them are whole on

@@ -45,6 +45,15 @@ def tp_seconds(links: Links, world: int, s: Strategy, kind: str, *, hidden: floa
     return seconds
 
 
+def split_loss_seconds(links: Links, world: int, s: Strategy, *, tokens: float) -> float | None:
+    """What the cross-entropy on logits split over the vocabulary adds to a micro-batch of ``tokens`` tokens, forward
+    and backward (Megatron-LM's parallel cross-entropy, Shoeybi et al. 2019 §3: three all-reduces of one fp32 number
+    a token, and on a CPU DTensor's work on every op of the loss), as measured here beside the cross-entropy of a
+    rank's share of the logits; None when it was not."""
+    link = links.find("tp_loss", s.tp, world)
+    return None if link is None else link.as_measured(4 * tokens)
+
+
 def gather_seconds(links: Links, world: int, group: int, nbytes: float) -> float | None:
     """One all-gather producing ``nbytes`` over ``group`` of ``world`` devices (the hidden state at a
     sequence-parallel boundary), as measured here; None when it was not."""

@@ -24,6 +24,9 @@ collectives). The operations:
 ``tp_block_forward``  what tensor parallelism adds to a whole transformer block's forward (nbtrain's GPT block:
                     five split linears, norms, attention on the local heads) whose hidden state is ``bytes``
 ``tp_block_backward`` the same in backward
+``tp_loss``         what the cross-entropy on logits split over the vocabulary adds (forward and backward, under
+                    torch's ``loss_parallel``; beyond a rank's share of the plain loss) by ``bytes`` = 4 × tokens:
+                    three all-reduces of a number a token, and DTensor's work on each op of the loss
 ``fsdp_block_*``    the same three for a whole transformer block as one FSDP2 unit (nbtrain's GPT block)
 ``tp_clip``         seconds to clip a TP-split transformer block's gradients (``bytes`` of parameters) by their
                     global norm, as the trainer does (:func:`nbtrain.gradients.clip_grad_norm`)
@@ -232,7 +235,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 12
+CACHE_VERSION = 13
 
 
 def cache_file(world_size: int):

@@ -33,6 +33,8 @@ DDP_WIDTHS = (32, 64, 128, 256)  # nbtrain's GPT of 2 blocks, 512 tokens: 0.23, 
 PP_WIDTHS = (64, 256, 1024)  # a micro-batch of 4 × 32 tokens of width h: 32 KiB to 512 KiB sent between stages
 PP_DEPTHS = (16, 8, 1)  # Linear(h, h) layers a stage: 1-6 ms of compute a micro-batch on one core, as a real stage has
 PP_MICROBATCHES = (2, 8)
+TP_LOSS_TOKENS = (256, 1024, 4096)  # tokens at a language model's head, over a vocabulary of TP_LOSS_VOCAB
+TP_LOSS_VOCAB = 512
 
 
 def _collectives(world: int) -> list[tuple[str, int, int, float]]:
@@ -136,6 +138,44 @@ def _tp_blocks(world: int) -> list[tuple[str, int, int, float]]:
             found.append(("tp_block_forward", k, nbytes, slowest_rank(fwd)))
             found.append(("tp_block_backward", k, nbytes, slowest_rank(bwd)))
             found.append(("tp_clip", k, _param_bytes(model.blocks[0]), _clip(split.blocks[0], x)))
+    return found
+
+
+def _tp_loss(world: int) -> list[tuple[str, int, int, float]]:
+    """Inside a spawned worker: what the vocabulary-parallel loss adds to a step beyond the cross-entropy of this
+    rank's share of the logits, by the bytes of one fp32 number a token (what each of its all-reduces carries):
+    nbtrain's own loss on logits split over the vocabulary, forward and backward under torch's ``loss_parallel``,
+    as the trainer takes it (:mod:`nbtrain.run.parallel.vocab_parallel`): three all-reduces, and DTensor's work
+    on every op of the loss. On 2 gloo processes here it added 4.8 ms to the forward of a transformers Qwen2's
+    ``tp=2`` step of 1,024 tokens, which nothing priced (``bench/RESULTS.md``, "The loss under tensor
+    parallelism")."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from nbtrain.profiler.model import lm_loss
+
+    found = []
+    for k in [k for k in group_sizes(world) if k <= 4]:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world // k, k), mesh_dim_names=("outer", "g"))
+        share = TP_LOSS_VOCAB // k
+        start = mesh.get_local_rank("g") * share
+        for tokens in TP_LOSS_TOKENS:
+            torch.manual_seed(0)
+            whole = torch.randn(tokens // 64, 64, TP_LOSS_VOCAB, requires_grad=True)
+            local = whole.detach()[..., start:start + share].clone().requires_grad_()
+            targets = torch.randint(0, TP_LOSS_VOCAB, (tokens // 64, 64))
+
+            def plain():
+                lm_loss(whole, targets).backward()
+                whole.grad = None
+
+            def split():
+                with loss_parallel():
+                    lm_loss(DTensor.from_local(local, mesh["g"], [Shard(-1)]), targets).backward()
+                local.grad = None
+            plain(), split()  # warm-up
+            rounds = [once_seconds(split) - once_seconds(plain) / k for _ in range(REPEATS)]
+            found.append(("tp_loss", k, tokens * 4, slowest_rank(max(0.0, statistics.median(rounds)))))
     return found
 
 
@@ -312,7 +352,7 @@ def _schedule_step(pipe, stage: int, microbatches: int, batch: torch.Tensor):
 def measure_in_worker(world: int) -> tuple[list, float]:
     """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
     torch.set_num_threads(1)
-    return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _fsdp_blocks(world)
+    return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _tp_loss(world) + _fsdp_blocks(world)
             + _ddp_backward(world) + _pipeline_microbatch(world) + expert_dispatch(world)), _compute_slowdown()
 
 
