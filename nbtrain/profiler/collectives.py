@@ -170,18 +170,24 @@ class Links:
         slowdowns = tuple(x for x in self.slowdowns if x[0] not in worlds) + other.slowdowns
         return Links(kept + other.links, tuple(sorted(slowdowns)))
 
-    def least_disturbed(self, other: "Links") -> "Links":
+    def least_disturbed(self, other: "Links", *, slower: bool = False) -> "Links":
         """Of two measurements of the same machine, each operation's faster one, and the smaller compute slowdown:
         a busy minute (another program on the cores) only ever slows a measurement down, so the faster of two is the
-        less disturbed. Operations only one of them measured are kept as they are."""
+        less disturbed. Operations only one of them measured are kept as they are.
+
+        ``slower``: each operation's slower one and the larger slowdown instead, for a run that was slower than the
+        measurements predicted. A shared machine's own pace moves too (here one measurement of the links read 20%
+        under the one before it, and the launches after it ran 15% slower than those before): keeping the faster
+        of two can never correct a prediction that was too fast."""
+        pick = max if slower else min
         mine = {(link.op, link.group, link.world): link for link in self.links}
         for link in other.links:
             key = (link.op, link.group, link.world)
-            if key not in mine or link.seconds(_TYPICAL) < mine[key].seconds(_TYPICAL):
+            if key not in mine or pick(link, mine[key], key=lambda x: x.seconds(_TYPICAL)) is link:
                 mine[key] = link
         slowdowns = dict(self.slowdowns)
         for n, factor in other.slowdowns:
-            slowdowns[n] = min(factor, slowdowns.get(n, factor))
+            slowdowns[n] = pick(factor, slowdowns.get(n, factor))
         return Links(tuple(mine.values()), tuple(sorted(slowdowns.items())))
 
     def to_list(self) -> dict:
@@ -319,16 +325,17 @@ def remeasured(world_size: int) -> Links | None:
     return _REMEASURED.get(world_size)
 
 
-def remeasure_links(world_size: int, *, progress=print) -> Links:
+def remeasure_links(world_size: int, *, slower: bool = False, progress=print) -> Links:
     """Measure this machine's links among ``world_size`` processes again and keep, per operation, the less disturbed
-    of the new and the cached measurement (:meth:`Links.least_disturbed`): what a run whose step was far from its
-    prediction does, so that a measurement taken in a busy minute does not stay for good."""
+    of the new and the cached measurement (:meth:`Links.least_disturbed`), or the slower of the two after a run
+    slower than predicted (``slower``): what a run whose step was far from its prediction does, so that a
+    measurement taken in a busy minute (or a quiet one, on a machine that then ran slower) does not stay for good."""
     path = cache_file(world_size)
     cached = _read(path)
     cached = Links() if cached is None else cached
     if progress:
         progress(f"Measuring this machine's communication among {world_size} processes again (~{10 * world_size} s; "
-                 f"the faster of this and the cached measurement is kept in {path})")
-    links = cached.least_disturbed(measure_in_subprocess(world_size))
+                 f"the {'slower' if slower else 'faster'} of this and the cached measurement is kept in {path})")
+    links = cached.least_disturbed(measure_in_subprocess(world_size), slower=slower)
     _REMEASURED[world_size] = links
     return _keep(path, links)
