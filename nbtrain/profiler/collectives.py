@@ -84,6 +84,19 @@ class Link:
     def seconds(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
 
+    def pooled(self, later: "Link") -> "Link":
+        """This measurement and a ``later`` one of the same operation as one (:meth:`Links.pooled`): the last
+        :data:`POOLED_READINGS` readings of each size, in the order taken, and the line through them; the slower
+        of the two where they do not hold two sizes between them to fit a line."""
+        readings: dict[int, list[float]] = {}
+        for size, seconds in self.points + later.points:
+            readings.setdefault(size, []).append(seconds)
+        points = tuple((size, seconds) for size, kept in readings.items() for seconds in kept[-POOLED_READINGS:])
+        if len(readings) < 2:
+            return max(self, later, key=lambda link: link.seconds(_TYPICAL))
+        latency, bandwidth = fit_line(points)
+        return Link(self.op, self.group, self.world, latency, bandwidth, points)
+
     def as_measured(self, nbytes: float) -> float:
         """Seconds for ``nbytes`` read off the measured points themselves, where a line through them would bend
         small sizes toward the large ones: between two points, on the segment joining them; below the smallest,
@@ -170,24 +183,35 @@ class Links:
         slowdowns = tuple(x for x in self.slowdowns if x[0] not in worlds) + other.slowdowns
         return Links(kept + other.links, tuple(sorted(slowdowns)))
 
-    def least_disturbed(self, other: "Links", *, slower: bool = False) -> "Links":
+    def least_disturbed(self, other: "Links") -> "Links":
         """Of two measurements of the same machine, each operation's faster one, and the smaller compute slowdown:
         a busy minute (another program on the cores) only ever slows a measurement down, so the faster of two is the
-        less disturbed. Operations only one of them measured are kept as they are.
-
-        ``slower``: each operation's slower one and the larger slowdown instead, for a run that was slower than the
-        measurements predicted. A shared machine's own pace moves too (here one measurement of the links read 20%
-        under the one before it, and the launches after it ran 15% slower than those before): keeping the faster
-        of two can never correct a prediction that was too fast."""
-        pick = max if slower else min
+        less disturbed. Operations only one of them measured are kept as they are."""
         mine = {(link.op, link.group, link.world): link for link in self.links}
         for link in other.links:
             key = (link.op, link.group, link.world)
-            if key not in mine or pick(link, mine[key], key=lambda x: x.seconds(_TYPICAL)) is link:
+            if key not in mine or link.seconds(_TYPICAL) < mine[key].seconds(_TYPICAL):
                 mine[key] = link
         slowdowns = dict(self.slowdowns)
         for n, factor in other.slowdowns:
-            slowdowns[n] = pick(factor, slowdowns.get(n, factor))
+            slowdowns[n] = min(factor, slowdowns.get(n, factor))
+        return Links(tuple(mine.values()), tuple(sorted(slowdowns.items())))
+
+    def pooled(self, other: "Links") -> "Links":
+        """Two measurements of the same machine as one: each operation's readings of both (a size read in both is
+        the median of its readings, :meth:`Link.as_measured`; the last :data:`POOLED_READINGS` of each size are
+        kept) with its line fitted through them, and the mean compute slowdown. What a run slower than its
+        prediction keeps, where :meth:`least_disturbed` could never correct a measurement taken in a quiet minute on
+        a machine that then runs slower (a fresh measurement here read 20% under the one before it, and the
+        launches after it ran 15% slower); both, not the slower of the two, because every operation was measured
+        again and the run used only some of them."""
+        mine = {(link.op, link.group, link.world): link for link in self.links}
+        for link in other.links:
+            key = (link.op, link.group, link.world)
+            mine[key] = link if key not in mine else mine[key].pooled(link)
+        slowdowns = dict(self.slowdowns)
+        for n, factor in other.slowdowns:
+            slowdowns[n] = (factor + slowdowns.get(n, factor)) / 2
         return Links(tuple(mine.values()), tuple(sorted(slowdowns.items())))
 
     def to_list(self) -> dict:
@@ -242,6 +266,9 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
 
 
 CACHE_VERSION = 13
+
+POOLED_READINGS = 3
+"""Readings of one size :meth:`Link.pooled` keeps: the cache stays the same size however many runs pool into it."""
 
 
 def cache_file(world_size: int):
@@ -327,15 +354,16 @@ def remeasured(world_size: int) -> Links | None:
 
 def remeasure_links(world_size: int, *, slower: bool = False, progress=print) -> Links:
     """Measure this machine's links among ``world_size`` processes again and keep, per operation, the less disturbed
-    of the new and the cached measurement (:meth:`Links.least_disturbed`), or the slower of the two after a run
-    slower than predicted (``slower``): what a run whose step was far from its prediction does, so that a
+    of the new and the cached measurement (:meth:`Links.least_disturbed`), or both pooled after a run slower than
+    predicted (``slower``, :meth:`Links.pooled`): what a run whose step was far from its prediction does, so that a
     measurement taken in a busy minute (or a quiet one, on a machine that then ran slower) does not stay for good."""
     path = cache_file(world_size)
     cached = _read(path)
     cached = Links() if cached is None else cached
     if progress:
         progress(f"Measuring this machine's communication among {world_size} processes again (~{10 * world_size} s; "
-                 f"the {'slower' if slower else 'faster'} of this and the cached measurement is kept in {path})")
-    links = cached.least_disturbed(measure_in_subprocess(world_size), slower=slower)
+                 f"{'both' if slower else 'the faster'} of this and the cached measurement kept in {path})")
+    fresh = measure_in_subprocess(world_size)
+    links = cached.pooled(fresh) if slower else cached.least_disturbed(fresh)
     _REMEASURED[world_size] = links
     return _keep(path, links)

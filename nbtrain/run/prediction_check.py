@@ -14,9 +14,9 @@ once per machine, :mod:`nbtrain.profiler.collectives`), the compute slowdown of 
 model's layers timed here (cached per model in the kernel). A measurement taken in a busy minute would mislead every
 later prediction. So after every run whose step time is outside 0.8–1.25 of its prediction, this says so, measures
 the communication again — keeping, for each operation, the faster of the new and the cached measurement: a busy
-minute only ever slows one down, so the faster is the less disturbed; after a run slower than predicted, the slower,
-since a measurement taken in a quiet minute can price a machine that then runs slower, and keeping the faster could
-never correct that — and drops the kernel's timing of this model
+minute only ever slows one down, so the faster is the less disturbed; after a run slower than predicted, both
+pooled, since a measurement taken in a quiet minute can price a machine that then runs slower, which keeping the
+faster could never correct (:meth:`~nbtrain.profiler.collectives.Links.pooled`) — and drops the kernel's timing of this model
 and its calibrated rates, so that the next prediction times them afresh. It does so once per kernel
 and process count: a second miss after that is the cost model's, and the note says so. A described cluster (the
 catalog's figures, or a saved one), a GPU's datasheet rates and an uncalibrated cluster are not measurements to take
@@ -73,8 +73,8 @@ def check_prediction(result, cluster, *, num_processes: int, model: nn.Module, p
             return off + f"; measuring this machine's communication again failed ({type(error).__name__}: {error})"
     timed.forget(model)
     hardware.forget_rates("cpu")
-    kept = "slower" if ratio > BAND[1] else "faster"
-    return off + (f"; this machine's communication was measured again (the {kept} of that and the cached "
-                  "measurement kept, per operation), and its compute and this model's layers will be timed again: "
-                  "the next prediction uses them")
+    kept = "that and the cached measurement pooled" if ratio > BAND[1] else \
+        "the faster of that and the cached measurement kept"
+    return off + (f"; this machine's communication was measured again ({kept}, per operation), and its compute and "
+                  "this model's layers will be timed again: the next prediction uses them")
 
