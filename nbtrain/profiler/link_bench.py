@@ -352,8 +352,9 @@ def _schedule_step(pipe, stage: int, microbatches: int, batch: torch.Tensor):
 def measure_in_worker(world: int) -> tuple[list, float]:
     """Everything :func:`measure_links` measures, run inside each of ``world`` initialised gloo processes."""
     torch.set_num_threads(1)
-    return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _tp_loss(world) + _fsdp_blocks(world)
-            + _ddp_backward(world) + _pipeline_microbatch(world) + expert_dispatch(world)), _compute_slowdown()
+    return (_collectives(world) + _fsdp_layers(world) + _tp_pairs(world) + _tp_blocks(world) + _tp_loss(world)
+            + _fsdp_blocks(world) + _ddp_backward(world) + _pipeline_microbatch(world)
+            + expert_dispatch(world)), _compute_slowdown()
 
 
 def measure_links(world_size: int = 2, *, timeout: float = 300.0) -> Links:

@@ -16,9 +16,9 @@ later prediction. So after every run whose step time is outside 0.8–1.25 of it
 the communication again — keeping, for each operation, the faster of the new and the cached measurement: a busy
 minute only ever slows one down, so the faster is the less disturbed; after a run slower than predicted, both
 pooled, since a measurement taken in a quiet minute can price a machine that then runs slower, which keeping the
-faster could never correct (:meth:`~nbtrain.profiler.collectives.Links.pooled`) — and drops the kernel's timing of this model
-and its calibrated rates, so that the next prediction times them afresh. It does so once per kernel
-and process count: a second miss after that is the cost model's, and the note says so. A described cluster (the
+faster could never correct (:meth:`~nbtrain.profiler.collectives.Links.pooled`) — and drops the kernel's timing of
+this model and its calibrated rates, so that the next prediction times them afresh. It does so once per kernel and
+process count: a second miss after that is the cost model's, and the note says so. A described cluster (the
 catalog's figures, or a saved one), a GPU's datasheet rates and an uncalibrated cluster are not measurements to take
 again: the note says what would measure them instead. ``NBTRAIN_REMEASURE=0`` keeps the note and measures nothing
 again (a CI job's runs, whose timings only the job's own load moves).
