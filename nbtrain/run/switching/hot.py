@@ -55,13 +55,13 @@ from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.gradients import clip_grad_norm, group_by_kind
+from nbtrain.tensor_memory import SavedActivations, state_bytes
 from nbtrain.planner.switching.bucket_strategy import layout_key, parse_bucket_strategy, with_layers
 from nbtrain.run.parallel.mesh import local_shard
 from nbtrain.run.parallel.parallelize import set_checkpointing
 from nbtrain.run.placement import reset_peak_memory, synchronize
 from nbtrain.run.switching.layouts import Layout
 from nbtrain.run.switching.reshard import Resharding
-from nbtrain.tensor_memory import SavedActivations, state_bytes
 from nbtrain.run.trainer import check_on_nonfinite
 
 
