@@ -51,9 +51,12 @@ def clip_grad_norm(parameters, max_norm: float, pipeline_group=None, counted_els
 
 
 def group_by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Plain tensors together, DTensors by (mesh, placements): the lists a foreach or fused kernel takes whole."""
+    """Plain tensors together, DTensors by (mesh, placements): the lists a foreach or fused kernel takes whole.
+    Meshes are compared by value, as DTensor compares them: the executor slices a mesh per layer, each slice a new
+    object, and grouped by object a transformers Qwen2 under ``tp=2`` had 8 groups, each its own norm and
+    reduction (12.8 ms of clipping a step where its 4 groups by value took 4.0)."""
     groups: dict = {}
     for t in tensors:
-        key = (id(t.device_mesh), t.placements) if isinstance(t, DTensor) else None
+        key = (t.device_mesh, t.placements) if isinstance(t, DTensor) else None
         groups.setdefault(key, []).append(t)
     return list(groups.values())

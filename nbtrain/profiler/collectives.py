@@ -265,7 +265,7 @@ def links_from(points, world: int, slowdown: float = 1.0) -> Links:
     return Links(tuple(links), ((world, slowdown),))
 
 
-CACHE_VERSION = 13
+CACHE_VERSION = 14
 
 POOLED_READINGS = 3
 """Readings of one size :meth:`Link.pooled` keeps: the cache stays the same size however many runs pool into it."""
