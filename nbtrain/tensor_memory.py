@@ -21,6 +21,7 @@ floor of what the allocator would say.
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 
 import torch
 
@@ -53,6 +54,19 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
             if isinstance(value, torch.Tensor) and value.numel() > 1:  # not the step counters
                 add(value)
     return sum(seen.values())
+
+
+def count_where_needed(device: torch.device, exclude=()) -> "SavedActivations | None":
+    """A count of the tensors saved for backward where nothing else counts them (the CPU), or None on a GPU, whose
+    caching allocator's peak counts them (``torch.cuda.max_memory_allocated``): the trainer's, the hot-switching
+    loop's and the profile's timed steps', so that all three pay the count's hooks where, and only where, a step
+    does. Entered with :func:`counting`."""
+    return None if device.type == "cuda" else SavedActivations(exclude=exclude)
+
+
+def counting(saved: "SavedActivations | None"):
+    """``saved``'s hooks, or nothing where there is no count (:func:`count_where_needed` on a GPU)."""
+    return saved.hooks() if saved is not None else nullcontext()
 
 
 class SavedActivations:

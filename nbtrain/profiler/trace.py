@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +29,7 @@ from nbtrain.profiler.observers import FlopObserver, SavedBytes, Timer
 from nbtrain.profiler.segments import SegmentTracker, first_tensor, tensors_in
 from nbtrain.profiler.selective import SelectiveCounter
 from nbtrain.profiler.twins import StandInPlan, StandIns
-from nbtrain.tensor_memory import SavedActivations
+from nbtrain.tensor_memory import count_where_needed, counting
 
 
 @dataclass
@@ -203,8 +203,7 @@ def time_step(step: Step, b: int, s: int, device: torch.device, repeats: int = 5
         timer = Timer(device)
         with collection_paused():
             started = time.perf_counter()
-            counted = SavedActivations(exclude=step.model.parameters()) if device.type != "cuda" else None
-            with counted.hooks() if counted is not None else nullcontext():
+            with counting(count_where_needed(device, exclude=step.model.parameters())):
                 _run(step, [timer], b, s, device, params=None)
             timer.sync()
             elapsed = time.perf_counter() - started

@@ -36,7 +36,7 @@ from nbtrain.run.parallel.vocab_parallel import as_local, has_split_logits, loss
 from nbtrain.gradients import clip_grad_norm
 from nbtrain.profiler.trace import call_model
 from nbtrain.gc_pause import collection_paused
-from nbtrain.tensor_memory import SavedActivations, state_bytes
+from nbtrain.tensor_memory import count_where_needed, counting, state_bytes
 from nbtrain.run.batches import batch_shape, chunk_rows, is_token_ids, map_rows
 from nbtrain.run.parallel.mesh import PlanMeshes
 from nbtrain.run.placement import peak_memory, reset_peak_memory, synchronize, to_device
@@ -246,8 +246,8 @@ class Trainer:
         self._counted = _varying_count(targets)
         ids, targets = self._rows_here(ids, targets)
         # on a GPU the allocator's peak counts the tensors; the CPU has no allocator to ask
-        saved = None if self.device.type == "cuda" else SavedActivations(exclude=self.model.parameters())
-        with saved.hooks() if saved is not None else nullcontext():
+        saved = count_where_needed(self.device, exclude=self.model.parameters())
+        with counting(saved):
             total = self._forward_backward(ids, targets)
         pp_group = self.meshes.pp_mesh().get_group() if self.pipeline is not None else None
         dist.all_reduce(total)  # every rank of a data-parallel slice holds that slice's loss: average them all

@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from nbtrain.errors import InvalidArgumentError, NonFiniteLossError
 from nbtrain.gradients import clip_grad_norm, group_by_kind
-from nbtrain.tensor_memory import SavedActivations, state_bytes
+from nbtrain.tensor_memory import count_where_needed, counting, state_bytes
 from nbtrain.planner.switching.bucket_strategy import layout_key, parse_bucket_strategy, with_layers
 from nbtrain.run.parallel.mesh import local_shard
 from nbtrain.run.parallel.parallelize import set_checkpointing
@@ -220,8 +220,8 @@ class HotSwitching:
                 t0 = time.perf_counter()
                 set_checkpointing(layout.model, self.strategy_of[bucket.bound].ac)
                 reset_peak_memory(self.device)
-                saved = SavedActivations(exclude=layout.trained)
-                with saved.hooks():
+                saved = count_where_needed(self.device, exclude=layout.trained)
+                with counting(saved):
                     loss += layout.run(bucket, tokens=tokens, micro_rows=self.micro_rows[bucket.bound],
                                        last=i == len(mine) - 1, keywords=self.takes_doc_ids, offloaded=offloaded)
                 synchronize(self.device)
