@@ -66,14 +66,15 @@ def check_prediction(result, cluster, *, num_processes: int, model: nn.Module, p
     if remeasured(num_processes) is not None:  # once a kernel: a second miss is the cost model's, not a busy minute
         return off + ("; this machine was measured again after an earlier run in this kernel, so the gap is the cost "
                       "model's (please report it with the plan and the model)")
+    slower = ratio > BAND[1]
     if num_processes > 1:
         try:
-            remeasure_links(num_processes, slower=ratio > BAND[1], progress=progress)
+            remeasure_links(num_processes, slower=slower, progress=progress)
         except Exception as error:  # noqa: BLE001 — a note, never a failed run
             return off + f"; measuring this machine's communication again failed ({type(error).__name__}: {error})"
     timed.forget(model)
     hardware.forget_rates("cpu")
-    kept = "that and the cached measurement pooled" if ratio > BAND[1] else \
+    kept = "that and the cached measurement pooled" if slower else \
         "the faster of that and the cached measurement kept"
     return off + (f"; this machine's communication was measured again ({kept}, per operation), and its compute and "
                   "this model's layers will be timed again: the next prediction uses them")
