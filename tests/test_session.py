@@ -97,7 +97,16 @@ def test_generate_under_the_plan_gives_the_one_process_models_tokens(plan):
     assert tokens[0][:4] == prompt[0]
 
 
-def test_an_interrupted_call_stops_after_a_step_and_the_session_trains_on():
+@pytest.fixture
+def ctrl_c_interrupts():
+    """Python's own SIGINT handler, as a kernel has it: a shell that starts pytest in the background (``cmd &``)
+    starts it with SIGINT ignored, and the stop button's signal would then never arrive."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_an_interrupted_call_stops_after_a_step_and_the_session_trains_on(ctrl_c_interrupts):
     batches = _batches(4)
     with nbtrain.Session(zoo.qwen2(), plan="dp_shard=2", num_processes=2) as session:
         running = _ours()
