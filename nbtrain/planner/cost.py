@@ -72,7 +72,7 @@ with tp innermost (Megatron-LM's order), so a group of ``k`` consecutive devices
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from nbtrain.errors import InvalidPlanError
 from nbtrain.planner.cost_options import CostOptions
@@ -345,13 +345,14 @@ class CostModel(LayerTerms):
     def stage(self, plan: Plan, i: int, start: int, end: int) -> tuple[StagePrediction, Time]:
         k = self.in_flight(i, plan.pp, plan.microbatches, plan.schedule)
         costs = [self.layer(j, plan.layers[j], plan.microbatches, plan.pp) for j in range(start, end)]
-        memory = Memory(reserve=self.reserve, transient=max(cost.transient for cost in costs))
-        time = Time()
+        memories = [Memory(reserve=self.reserve, transient=max(cost.transient for cost in costs))]
+        times = [Time()]
         for j, cost in zip(range(start, end), costs):
-            memory = memory + cost.memory + Memory(activations=(k - 1) * cost.activations)
-            time = time + cost.time
+            memories += [cost.memory, Memory(activations=(k - 1) * cost.activations)]
+            times.append(cost.time)
             if j > start:
-                time = time + Time(relayout=self.relayout(j, plan.layers[j - 1], plan.layers[j], plan.microbatches))
+                times.append(Time(relayout=self.relayout(j, plan.layers[j - 1], plan.layers[j], plan.microbatches)))
+        memory, time = Memory.summed(memories), Time.summed(times)
         if i < plan.pp - 1:
             time = time + Time(pp_comm=self.p2p(end - 1, plan.layers[end - 1], plan.microbatches, plan.pp, i))
         if plan.pp > 1:
@@ -375,10 +376,13 @@ class CostModel(LayerTerms):
         m = plan.microbatches
         step = sum(stage.time_per_microbatch for stage in stages) + (m - 1) * slowest
         total = times[max(range(len(stages)), key=lambda i: stages[i].time_per_microbatch)].over_step(step, m, plan.pp)
-        model_flops = self.profile.at(self.global_batch, self.seq_len).flops_per_step
         peak = self.cluster.num_devices * self.cluster.peak_flops
-        return Prediction(step, self.global_batch * self.seq_len / step, model_flops / (step * peak), stages,
+        return Prediction(step, self.global_batch * self.seq_len / step, self._model_flops / (step * peak), stages,
                           total, self.budget, self.host_budget, self.reserve_parts)
+
+    @cached_property
+    def _model_flops(self) -> float:
+        return self.profile.at(self.global_batch, self.seq_len).flops_per_step
 
     def check(self, plan: Plan) -> None:
         """Reject plans this model and cluster cannot take, with what to change (:mod:`nbtrain.planner.plan_checks`)."""

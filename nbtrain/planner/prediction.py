@@ -8,6 +8,14 @@ the step (:class:`Prediction`, kept with a plan as ``plan.predicted`` and writte
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import cache
+from operator import attrgetter
+
+
+@cache
+def _names(kind: type) -> tuple[str, ...]:
+    """A dataclass's field names, read once: a plan search adds Memory and Time a million times."""
+    return tuple(f.name for f in fields(kind))
 
 
 class Sum:
@@ -15,10 +23,21 @@ class Sum:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, name) for name in _names(type(self)))
 
     def __add__(self, other):
-        return type(self)(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return type(self)(*(getattr(self, name) + getattr(other, name) for name in _names(type(self))))
+
+    @classmethod
+    def summed(cls, items):
+        """``items[0] + items[1] + ...`` field by field, in that order (the same floats), without a new object per
+        ``+``: a stage sums each of its layers' memory and time."""
+        get = attrgetter(*_names(cls))
+        rows = map(get, items)
+        totals = next(rows)
+        for row in rows:
+            totals = [a + b for a, b in zip(totals, row)]
+        return cls(*totals)
 
 
 @dataclass(frozen=True)
