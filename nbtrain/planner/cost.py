@@ -136,7 +136,11 @@ class CostModel(LayerTerms):
     def _grad_bytes(self, tp: int) -> float:
         """Bytes of the whole model's gradients as the data-parallel reduction moves them, on one TP rank (a frozen
         weight has none)."""
-        return max(1.0, sum(layer.trained for layer in self.profile.layers) * self.options.grad_reduce_bytes / tp)
+        return max(1.0, self._trained_params * self.options.grad_reduce_bytes / tp)
+
+    @cached_property
+    def _trained_params(self) -> int:
+        return sum(layer.trained for layer in self.profile.layers)
 
     def _arch_list(self, key: str, layer: int, default: int) -> int:
         """A per-layer fact of the profile (``tp_pairs``: the collectives TP issues each way), or ``default`` for a
