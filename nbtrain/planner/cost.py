@@ -114,6 +114,7 @@ class CostModel(LayerTerms):
         self.reserve_parts = reserve_parts(cluster, options, self.budget)
         self.reserve = sum(nbytes for _, nbytes in self.reserve_parts)
         self.e = profile.dtype_bytes
+        self._trained_params = sum(layer.trained for layer in profile.layers)
         self.host_budget = cluster.host_memory / cluster.devices_per_node
         on = profile.measured_on or ""
         self.measured = options.measured_compute and bool(on) and cluster.source != "catalog" and \
@@ -137,10 +138,6 @@ class CostModel(LayerTerms):
         """Bytes of the whole model's gradients as the data-parallel reduction moves them, on one TP rank (a frozen
         weight has none)."""
         return max(1.0, self._trained_params * self.options.grad_reduce_bytes / tp)
-
-    @cached_property
-    def _trained_params(self) -> int:
-        return sum(layer.trained for layer in self.profile.layers)
 
     def _arch_list(self, key: str, layer: int, default: int) -> int:
         """A per-layer fact of the profile (``tp_pairs``: the collectives TP issues each way), or ``default`` for a
@@ -384,9 +381,7 @@ class CostModel(LayerTerms):
         return Prediction(step, self.global_batch * self.seq_len / step, self._model_flops / (step * peak), stages,
                           total, self.budget, self.host_budget, self.reserve_parts)
 
-    @cached_property
-    def _model_flops(self) -> float:
-        return self.profile.at(self.global_batch, self.seq_len).flops_per_step
+    _model_flops = cached_property(lambda self: self.profile.at(self.global_batch, self.seq_len).flops_per_step)
 
     def check(self, plan: Plan) -> None:
         """Reject plans this model and cluster cannot take, with what to change (:mod:`nbtrain.planner.plan_checks`)."""
