@@ -227,7 +227,7 @@ class HotSwitching:
                 synchronize(self.device)
                 seconds[bucket.bound] = time.perf_counter() - t0
                 # a GPU's allocator knows the peak; on the CPU the tensors are counted (tensor_memory.py)
-                memory[bucket.bound] = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" \
+                memory[bucket.bound] = torch.cuda.max_memory_allocated(self.device) if saved is None \
                     else self._resident_bytes() + saved.peak
             if away:
                 layout.finish()
