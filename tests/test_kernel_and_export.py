@@ -29,6 +29,18 @@ def test_kernel_install_writes_the_spec_under_a_prefix(tmp_path):
     assert json.loads((folder / "kernel.json").read_text()) == SPEC
 
 
+def test_installing_again_leaves_the_same_spec_in_place_and_replaces_an_older_one(tmp_path):
+    """A kernel that papermill or Jupyter is starting from the installed spec never finds it gone while a second
+    ``nbtrain kernel install`` runs (the test suite's two workers do that); a different spec is replaced."""
+    folder = Path(install_kernel(prefix=str(tmp_path)))
+    (tmp_path / "held").hardlink_to(folder / "kernel.json")  # holds the file's inode: a new file gets another one
+    assert Path(install_kernel(prefix=str(tmp_path))) == folder
+    assert (folder / "kernel.json").stat().st_ino == (tmp_path / "held").stat().st_ino  # not removed and rewritten
+    (folder / "kernel.json").write_text(json.dumps({**SPEC, "display_name": "an older nbtrain"}))
+    install_kernel(prefix=str(tmp_path))
+    assert json.loads((folder / "kernel.json").read_text()) == SPEC
+
+
 def test_export_writes_a_notebook_with_parameters_the_plan_as_json_and_checks(tmp_path):
     plan = Plan.parse("dp_shard=4 tp=2 ac", num_devices=8, num_layers=4, global_batch=16, seq_len=64)
     path = export_cell(tmp_path / "run.ipynb", "model = nbtrain.build_preset('llama-tiny', device='cpu')", "model",

@@ -31,9 +31,26 @@ def install_kernel(user: bool = False, prefix: str | None = None) -> str:
 
     if not user and prefix is None:
         prefix = sys.prefix
+    if _installed_spec(user, prefix) == SPEC:  # already there as it would be written: nothing to replace (a Jupyter
+        return str(_destination(user, prefix))  # or papermill starting the kernel meanwhile never finds it gone)
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "kernel.json").write_text(json.dumps(SPEC, indent=1))
         return KernelSpecManager().install_kernel_spec(folder, kernel_name=NAME, user=user, prefix=prefix)
+
+
+def _destination(user: bool, prefix: str | None) -> Path:
+    """The folder :func:`install_kernel` installs to, as jupyter_client chooses it."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    return (Path(jupyter_data_dir()) if user else Path(prefix) / "share" / "jupyter") / "kernels" / NAME
+
+
+def _installed_spec(user: bool, prefix: str | None) -> dict | None:
+    """The spec installed at :func:`_destination`, if one can be read there."""
+    try:
+        return json.loads((_destination(user, prefix) / "kernel.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def kernel_installed() -> bool:
