@@ -152,3 +152,23 @@ def test_with_measuring_again_turned_off_a_miss_is_said_and_nothing_is_measured(
     note = prediction_check.check_prediction(result, here, num_processes=2, model=torch.nn.Linear(2, 2))
     assert "2.00×" in note and "NBTRAIN_REMEASURE=0" in note
     assert called == []
+
+
+def test_the_cached_measurement_is_replaced_whole_so_a_reader_meanwhile_sees_the_old_one_or_the_new(tmp_path,
+                                                                                                  monkeypatch):
+    """Two notebooks (or the test suite's two workers) on one machine share the cache: a measurement written while
+    another process reads it must not be seen half written (it would read as no measurement and measure again)."""
+    from nbtrain.profiler.collectives import Link, fit_line
+
+    def measured(seconds: float) -> Links:
+        points = ((MIB, seconds), (4 * MIB, 2 * seconds))
+        return Links((Link("p2p", 2, 2, *fit_line(points), points),), ((2, 1.0),))
+
+    monkeypatch.setenv("NBTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(collectives, "measure_in_subprocess", lambda world: measured(0.002))
+    cache_file(2).write_text(json.dumps(measured(0.001).to_list()))
+    with cache_file(2).open() as reading:  # another process that opened it a moment before the write
+        collectives.remeasure_links(2, slower=True, progress=None)
+        assert Links.from_list(json.loads(reading.read())) == measured(0.001)  # what it opened, whole
+    assert Links.from_list(json.loads(cache_file(2).read_text())) == measured(0.001).pooled(measured(0.002))
+    assert [p.name for p in tmp_path.iterdir()] == [cache_file(2).name]  # no partial file left behind

@@ -333,12 +333,15 @@ def _read(path: Path) -> Links | None:
 
 
 def _keep(path: Path, links: Links) -> Links:
-    """``links`` written to ``path`` (a read-only home: measured again next time, nothing lost), and returned."""
+    """``links`` written to ``path`` (a read-only home: measured again next time, nothing lost), and returned. Whole
+    or not at all: another process (a second notebook, a test worker) reading it meanwhile never sees half a file."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(links.to_list()) + "\n")
+        partial.write_text(json.dumps(links.to_list()) + "\n")
+        os.replace(partial, path)
     except OSError:
-        pass
+        partial.unlink(missing_ok=True)
     return links
 
 
