@@ -135,10 +135,9 @@ def test_shell_example(example, tmp_path):
         if part in example.source:
             env.update({k: v.format(folder=folder) for k, v in extra.items()})
     if fx.NEEDS_KERNEL in example.source:
-        from nbtrain.notebook.kernel import install_kernel, kernel_installed
+        from tests.notebook_kernel import nbtrain_kernel_installed
 
-        if not kernel_installed():
-            install_kernel()
+        nbtrain_kernel_installed()
     for part, before in fx.SHELL_BEFORE.items():
         if part in example.source:
             done = _run_shell(before, folder, env)

@@ -26,10 +26,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session", autouse=True)
 def nbtrain_kernel():
     """The README's test command installs the kernelspec itself: papermill -k nbtrain needs it."""
-    from nbtrain.notebook.kernel import install_kernel, kernel_installed
+    from tests.notebook_kernel import nbtrain_kernel_installed
 
-    if not kernel_installed():
-        install_kernel()
+    nbtrain_kernel_installed()
 
 
 @pytest.fixture(autouse=True)
