@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import tempfile
 
@@ -15,6 +17,35 @@ def pytest_configure(config):
     # A run far from its prediction says so and, outside tests, measures the links again (20-40 s a process count);
     # tests/test_prediction_check.py turns that on where it is what the test checks
     os.environ.setdefault("NBTRAIN_REMEASURE", "0")
+
+
+@contextlib.contextmanager
+def _the_cores(config, alone: bool):
+    """Held while a test runs in one of the suite's workers: shared by the tests of both workers, or the test's
+    alone (marker ``alone``: what it asserts rests on the machine's pace, a step's measured time or a page's redraw,
+    which the other worker's test would slow down). A test waiting to run alone holds the gate, so the other worker
+    starts nothing new meanwhile and the wait ends with the test running there now."""
+    run = getattr(config, "workerinput", {}).get("testrunuid")  # a worker of the README's `-n 2` run
+    if run is None:
+        yield
+        return
+    folder = os.path.join(tempfile.gettempdir(), f"nbtrain-test-locks-{run}")  # this run's: a pytest that a test
+    os.makedirs(folder, exist_ok=True)  # starts (the README's command, as a documented example) has locks of its own
+    with open(os.path.join(folder, "gate"), "a") as gate, open(os.path.join(folder, "cores"), "a") as cores:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files lets both go
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, with the fixtures its setup and teardown start and end (a module's, a session's), holds the cores
+    shared, or alone where it or its module is marked ``alone`` (the browser's module times the redraw in a
+    module-scoped fixture, set up with its first test)."""
+    with _the_cores(item.config, alone=item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

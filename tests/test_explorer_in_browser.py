@@ -26,7 +26,9 @@ from tests.browser import browser_missing, chromium, jupyter_lab, requests_outsi
 MISSING = browser_missing()
 if MISSING and os.environ.get("CI"):
     raise RuntimeError(f"CI runs the browser tests: {MISSING}")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=f"no browser here: {MISSING}")]
+# alone: the redraw is timed (under 2 s), which a test running beside it in the other worker slows down
+pytestmark = [pytest.mark.slow, pytest.mark.alone,
+              pytest.mark.skipif(MISSING is not None, reason=f"no browser here: {MISSING}")]
 
 CELL = """%%autoparallel --gpus 8 --gpu H100 --batch 32 --seq 1024
 from transformers import GPT2Config, GPT2LMHeadModel

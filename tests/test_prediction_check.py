@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 
+import pytest
 import torch
 
 import nbtrain
@@ -30,6 +31,7 @@ def every_op_s(links: Links) -> float:
     return sum(link.seconds(MIB) for link in links.links)
 
 
+@pytest.mark.alone  # its runs' measured steps against their predictions: no other test slowing them
 def test_a_calibration_taken_under_load_is_corrected_by_the_next_run_which_says_so(tmp_path, monkeypatch):
     honest = cached_links(2)  # this machine's, measured once per test session
     monkeypatch.setenv("NBTRAIN_CACHE_DIR", str(tmp_path))
