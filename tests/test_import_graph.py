@@ -56,6 +56,7 @@ LAYER_OF = {
     "gradients": "foundation",  # clipping gradients that may be DTensors: torch only; the trainer and the calibration
     "tensor_memory": "foundation",  # the tensors a rank holds, counted on the CPU: the trainer and the profile's timing
     "gc_pause": "foundation",  # the garbage collector held off: the trainer's steps and the profile's timed steps
+    "files": "foundation",  # a file written whole (renamed over): the links and profile caches, the workers' reports
     # Data: nbtrain/data.py, and the stdlib corpus behind it (data_corpus is data's own helper, not shared
     # infrastructure: it tokenizes the stdlib documents that nbtrain.data serves, and uses torch).
     "data": "data",

@@ -60,6 +60,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from nbtrain.errors import InvalidArgumentError
+from nbtrain.files import write_whole
 
 _TYPICAL = 2**20
 """Bytes at which two measurements of one operation are compared (a layer's gradients or hidden state on a CPU)."""
@@ -335,13 +336,11 @@ def _read(path: Path) -> Links | None:
 def _keep(path: Path, links: Links) -> Links:
     """``links`` written to ``path`` (a read-only home: measured again next time, nothing lost), and returned. Whole
     or not at all: another process (a second notebook, a test worker) reading it meanwhile never sees half a file."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(links.to_list()) + "\n")
-        os.replace(partial, path)
+        write_whole(path, json.dumps(links.to_list()) + "\n")
     except OSError:
-        partial.unlink(missing_ok=True)
+        pass
     return links
 
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from nbtrain.files import write_whole
 from nbtrain.profiler.collectives import cache_file
 from nbtrain.profiler.result import ModelProfile
 
@@ -57,9 +56,7 @@ def preset_profile(name: str, *, batch_size: int = 1, seq_len: int | None = None
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-                f.write(result.to_json(indent=None))
-            os.replace(f.name, path)  # whole or not at all, for a second process reading it
+            write_whole(path, result.to_json(indent=None))  # whole or not at all, for a second process reading it
         except OSError:
             pass  # a read-only home: the profile is still returned
     return result

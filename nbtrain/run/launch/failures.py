@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from nbtrain.errors import LaunchTimeoutError, WorkerError
+from nbtrain.files import write_whole
 from nbtrain.run.launch.stacks import describe_ranks, explain_hang
 
 STACK_FILE = re.compile(r"rank(\d+)-pid(\d+)\.stack")
@@ -95,18 +96,6 @@ def write_exit_report(workdir, rank: int, stop: SystemExit, stack: traceback.Sta
     where = f"{stack[-1].filename}, line {stack[-1].lineno}" if stack else None
     write_whole(Path(workdir) / f"rank{rank}.exit",
                 json.dumps({"status": exit_status(stop), "call": f"sys.exit({stop.code!r})", "where": where}))
-
-
-def write_whole(path: Path, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` all at once (a temporary file renamed): a worker stopped while it writes its report
-    (the agent signals the others once one has failed) leaves no report rather than half of one. Not synced to disk:
-    the parent reads it on this machine (checkpoints, which must survive a crash, fsync: checkpoint.py)."""
-    partial = path.with_name(path.name + ".partial")
-    if isinstance(data, bytes):
-        partial.write_bytes(data)
-    else:
-        partial.write_text(data)
-    os.replace(partial, path)
 
 
 def worker_error(failure, workdir, num_processes: int, watcher: ChildWatcher | None = None) -> WorkerError:

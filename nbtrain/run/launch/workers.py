@@ -44,10 +44,11 @@ from typing import Any, Callable
 
 from nbtrain.checks import positive_int
 from nbtrain.errors import InvalidArgumentError, LaunchError
+from nbtrain.files import write_whole
 from nbtrain.run.launch.environment import (SIGNALS, check_cuda_not_initialised, check_limit, cpu_env, free_port,
                                              launch_env, launch_folder, loopback_env, port_is_free, visible_gpus)
 from nbtrain.run.launch.failures import (ChildWatcher, dump_stacks, exit_status, timeout_error, worker_error,
-                                         worker_processes, write_exit_report, write_whole)
+                                         worker_processes, write_exit_report)
 from nbtrain.run.launch.group_release import release_process_groups
 
 _PG_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default, used when no timeout is given
