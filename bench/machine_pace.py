@@ -15,7 +15,6 @@ can meet on every run.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import sys
 import time
@@ -63,13 +62,8 @@ def _pair(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
+    from nbtrain.run.launch.environment import free_port
     from nbtrain.table import Table
 
     torch.set_num_threads(1)
@@ -80,7 +74,7 @@ def main() -> None:
     for r in range(ROUNDS):
         one = _median_step_s(_model())
         results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         workers = [ctx.Process(target=_pair, args=(rank, port, results)) for rank in range(2)]
         for w in workers:
             w.start()

@@ -12,14 +12,16 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TIMED = '''
+NOTE = '''
 import time
 import pytest
 
 def note(what):
     with open({log!r}, "a") as log:
         log.write(f"{{time.monotonic()}} {{what}}\\n")
+'''
 
+TIMED = NOTE + '''
 @pytest.mark.alone
 def test_timed():
     note("alone starts")
@@ -27,14 +29,7 @@ def test_timed():
     note("alone ends")
 '''
 
-BESIDE = '''
-import time
-import pytest
-
-def note(what):
-    with open({log!r}, "a") as log:
-        log.write(f"{{time.monotonic()}} {{what}}\\n")
-
+BESIDE = NOTE + '''
 @pytest.mark.parametrize("i", range(12))
 def test_other(i):
     note(f"other {{i}} starts")
