@@ -131,6 +131,7 @@ def test_a_rank_killed_by_a_signal_is_named_too(no_process_left):
         launch(killed_on_rank_1, num_processes=2, timeout=LIMIT)
 
 
+@pytest.mark.alone  # rank 0 must see the lost connection and write its report before the agent stops it
 def test_a_killed_rank_is_named_not_the_peer_that_lost_its_connection_to_it(no_process_left):
     # rank 0 raises (gloo: the peer went away) and the agent may well report rank 0's failure first
     with pytest.raises(WorkerError) as caught:
