@@ -247,6 +247,23 @@ def test_a_second_backward_before_step_without_no_sync_is_an_error():
             lm_loss(model(ids), targets).backward()
 
 
+@pytest.mark.parametrize("land_at", ["forward", "step"])
+def test_a_forward_between_backward_and_step_is_refused_while_the_cpu_writes_the_weights(land_at):
+    # the overlapped updates write host-memory weights in place until step(): a forward then (a metric under
+    # no_grad, a second micro-batch) would read some layers old and some new, at the worker's pace
+    torch.manual_seed(0)
+    model = GPT(GPT_TINY)
+    ids, targets = next(batches(1))
+    with OffloadedAdamW.from_model(model, 1.0, land_at=land_at) as opt:
+        lm_loss(model(ids), targets).backward()
+        with pytest.raises(InvalidArgumentError, match=r"before step\(\).*opt.step\(\)"), torch.no_grad():
+            model(ids)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(ids)  # after step() the weights are the step's, whichever layer the forward reaches first
+
+
 def test_lr_schedule_drives_every_layer():
     def halve(step):
         return 0.5 ** step

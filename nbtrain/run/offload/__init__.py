@@ -31,6 +31,9 @@ layers, which is why the split keeps those on the device (CoTrain's data-reuse d
 ``state_dict()``, ``close()`` and :meth:`synchronize` wait for every update; read parameters directly only after
 one of them. Without ``land_before``, ``step()`` waits for the worker: when it returns, the model holds exactly the
 new weights. A worker's exception is raised where its update lands. Offload 0 everywhere is plain fused AdamW.
+Between an overlapped backward and ``step()`` the worker is writing the weights, so a model from ``from_model``
+refuses a forward then (a metric, a micro-batch not under ``no_sync()``) with what to do, rather than read some
+layers old and some new.
 
 Data parallel under DDP: :mod:`nbtrain.run.offload.ddp`. Under FSDP2 (``dp_shard``, and its hybrid
 ``dp_replicate``) the parameters are DTensors and everything above applies to each rank's local shard:

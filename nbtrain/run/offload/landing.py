@@ -7,11 +7,24 @@ from __future__ import annotations
 
 from time import perf_counter
 
+from nbtrain.errors import InvalidArgumentError
 from nbtrain.run.offload.state import Layer
+
+SECOND_BACKWARD = ("Accumulating micro-batches? Run all but the last under opt.no_sync() (with DDP, the model's "
+                   "no_sync())")
 
 
 class Landing:
-    """``OffloadedAdamW``'s landing of its layers' CPU updates (it keeps ``_pending``, ``_landing``, ``_forget``)."""
+    """``OffloadedAdamW``'s landing of its layers' CPU updates (it keeps ``_pending``, ``_queued``, ``_landing``, ``_forget``)."""
+
+    def _refuse_forward_before_step(self, *_) -> None:
+        """A model's forward pre-hook: after a backward has queued CPU updates (``"overlap"``), the worker is writing
+        the weights until ``step()``; a forward then would read some layers old and some new (and the next backward
+        fail, or not, depending on the worker's pace). Refused, with what to do instead."""
+        if self._queued:
+            raise InvalidArgumentError(
+                "a forward after backward, before step(): backward handed this step's gradients to the CPU update, "
+                "which is writing the weights. Call opt.step() (and opt.zero_grad()) first. " + SECOND_BACKWARD)
 
     def _pre_forward(self, layer: Layer) -> None:
         if layer in self._pending:

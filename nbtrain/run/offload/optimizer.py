@@ -26,7 +26,7 @@ from torch import nn
 from nbtrain.errors import InvalidArgumentError
 from nbtrain.run.parallel.mesh import local_shard
 from nbtrain.run.offload.ddp import attach_ddp
-from nbtrain.run.offload.landing import Landing
+from nbtrain.run.offload.landing import SECOND_BACKWARD, Landing
 from nbtrain.run.offload.split import cut_layer
 from nbtrain.run.offload.state import (Layer, Piece, StepLog, adamw_step, cpu_update, device_events, global_norm,
                                        load_state, save_state, settle_gradients, shard_groups)
@@ -139,6 +139,7 @@ class OffloadedAdamW(Landing, torch.optim.Optimizer):
         modules = modules[start:end]
         params = [[p for module in layer for p in module.parameters()] for layer in modules]
         opt = cls(params, offload, land_before=modules if land_at == "forward" else None, **kwargs)
+        opt._handles.append(inner.register_forward_pre_hook(opt._refuse_forward_before_step, prepend=True))
         if land_at == "forward":  # a checkpoint taken between steps holds the new weights
             opt._handles.append(inner.register_state_dict_pre_hook(lambda *_: opt.synchronize()))
         if isinstance(model, DistributedDataParallel):
@@ -204,8 +205,7 @@ class OffloadedAdamW(Landing, torch.optim.Optimizer):
             if index in layer.arrived:
                 raise InvalidArgumentError(
                     "a second backward before step(): the first one's gradients were already handed to the update. "
-                    "Accumulating micro-batches? Run all but the last under opt.no_sync() (with DDP, the model's "
-                    "no_sync())")
+                    + SECOND_BACKWARD)
             layer.arrived.add(index)
             if layer.arrived == layer.cpu_params and not layer.futures:
                 if grad.is_cuda:  # the worker waits for the copies (and norms) to land on the host
