@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
+import uuid
 
 import pytest
 
@@ -13,10 +15,29 @@ import pytest
 def pytest_configure(config):
     """This machine's measured communication (nbtrain.profiler.collectives) is cached in a folder of this test
     session: a run never reads or writes the user's ~/.cache/nbtrain, and measures once (subprocesses inherit it)."""
-    os.environ.setdefault("NBTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="nbtrain-test-cache-"))
+    if "NBTRAIN_CACHE_DIR" not in os.environ:  # else a run that started this one made it, and removes it
+        os.environ["NBTRAIN_CACHE_DIR"] = config.made_cache_dir = tempfile.mkdtemp(prefix="nbtrain-test-cache-")
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput") \
+            and config.getoption("testrunuid", None) is None:  # the run's id, which names its locks (_the_cores)
+        config.option.testrunuid = uuid.uuid4().hex
     # A run far from its prediction says so and, outside tests, measures the links again (20-40 s a process count);
     # tests/test_prediction_check.py turns that on where it is what the test checks
     os.environ.setdefault("NBTRAIN_REMEASURE", "0")
+
+
+def pytest_unconfigure(config):
+    """What the run made in the temporary folder goes with it (the workers' locks once they have stopped)."""
+    if hasattr(config, "workerinput"):
+        return
+    if getattr(config, "made_cache_dir", None):
+        shutil.rmtree(config.made_cache_dir, ignore_errors=True)
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("testrunuid", None):
+        shutil.rmtree(_locks_folder(config.getoption("testrunuid")), ignore_errors=True)
+
+
+def _locks_folder(run: str) -> str:
+    """This run's locks: a pytest that a test starts (the README's command, as a documented example) has its own."""
+    return os.path.join(tempfile.gettempdir(), f"nbtrain-test-locks-{run}")
 
 
 @contextlib.contextmanager
@@ -29,8 +50,8 @@ def _the_cores(config, alone: bool):
     if run is None:
         yield
         return
-    folder = os.path.join(tempfile.gettempdir(), f"nbtrain-test-locks-{run}")  # this run's: a pytest that a test
-    os.makedirs(folder, exist_ok=True)  # starts (the README's command, as a documented example) has locks of its own
+    folder = _locks_folder(run)
+    os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "gate"), "a") as gate, open(os.path.join(folder, "cores"), "a") as cores:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
