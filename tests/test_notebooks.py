@@ -7,6 +7,7 @@ leaves the kernel working (one fixture notebook per mistake, in tests/notebooks/
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -191,7 +192,11 @@ def test_checkpoints_tutorial_interrupts_a_launch_resumes_under_another_plan_and
     # a killed worker is named with its signal and the way to resume; a hung one is named too
     assert re.search(r"^WorkerError: rank 1 of 2 died with signal SIGKILL .* resume=True", everything, re.M)
     assert re.search(r"^LaunchTimeoutError: .* Rank 1 never reached the collective", everything, re.M), everything
-    assert "a new launch after all that: 1" in texts[-1]
+    assert "a new launch after all that: 1" in texts[-2]
+    # and the checkpoint folders it made (it printed the first one's path) are gone with its last cell
+    made = re.findall(r"^removed the checkpoint folders: (\S+) (\S+)$", texts[-1], re.M)
+    assert len(made) == 1 and re.search(rf"into {re.escape(made[0][0])}$", everything, re.M), texts[-1]
+    assert not [folder for folder in made[0] if os.path.exists(folder)]
 
 
 @pytest.mark.parametrize("fixture,message", [
