@@ -15,7 +15,8 @@ SECOND_BACKWARD = ("Accumulating micro-batches? Run all but the last under opt.n
 
 
 class Landing:
-    """``OffloadedAdamW``'s landing of its layers' CPU updates (it keeps ``_pending``, ``_queued``, ``_landing``, ``_forget``)."""
+    """``OffloadedAdamW``'s landing of its layers' CPU updates (it keeps ``_pending``, ``_queued``, ``_landing``,
+    ``_forget``)."""
 
     def _refuse_forward_before_step(self, *_) -> None:
         """A model's forward pre-hook: after a backward has queued CPU updates (``"overlap"``), the worker is writing
